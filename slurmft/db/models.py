@@ -1,0 +1,365 @@
+"""Typed SQLAlchemy 2 models of the store.
+
+Volume decides the shape: ``step_times`` and ``rank_heartbeat_samples`` are raw and bounded by
+retention (16k ranks at a step a second is over a billion rows a day); ``step_time_minutes``,
+``events`` and ``actions`` are kept for good. Enums are stored as their string values without a
+CHECK constraint, so adding a member needs no migration.
+"""
+
+from __future__ import annotations
+
+import enum
+import secrets
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    DateTime,
+    Enum,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Text,
+    TypeDecorator,
+    UniqueConstraint,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship, validates
+
+from slurmft.db.states import (
+    ATTEMPT_TRANSITIONS,
+    RUN_TRANSITIONS,
+    AttemptState,
+    RunState,
+    check_transition,
+)
+
+# Stable constraint names on SQLite and PostgreSQL, so migrations can refer to them.
+NAMING_CONVENTION = {
+    "ix": "ix_%(column_0_label)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+# SQLite only auto-increments an INTEGER PRIMARY KEY; PostgreSQL gets a 64-bit key.
+BigId = BigInteger().with_variant(Integer(), "sqlite")
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+class UTCDateTime(TypeDecorator[datetime]):
+    """Timestamps stored as naive UTC (portable across SQLite and PostgreSQL), read back aware."""
+
+    impl = DateTime
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Any) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            raise ValueError(f"naive datetime {value!r}: pass an aware UTC datetime")
+        return value.astimezone(UTC).replace(tzinfo=None)
+
+    def process_result_value(self, value: datetime | None, dialect: Any) -> datetime | None:
+        return None if value is None else value.replace(tzinfo=UTC)
+
+
+def _enum(cls: type[enum.Enum], length: int = 32) -> Enum:
+    return Enum(
+        cls,
+        native_enum=False,
+        create_constraint=False,
+        length=length,
+        values_callable=lambda members: [m.value for m in members],
+    )
+
+
+class NodeRole(enum.StrEnum):
+    ACTIVE = "active"
+    SPARE = "spare"
+
+
+class FaultClass(enum.StrEnum):
+    """Why a restart happened; restarts are counted per class."""
+
+    HARDWARE = "hardware"  # a node or GPU failed
+    HANG = "hang"
+    STRAGGLER = "straggler"
+    USER_CODE = "user_code"
+    PREEMPTION = "preemption"
+    TIME_LIMIT = "time_limit"
+    INFRASTRUCTURE = "infrastructure"  # rendezvous store, report channel, Slurm itself
+    UNKNOWN = "unknown"
+
+
+class EventKind(enum.StrEnum):
+    RANK_FAILURE = "rank_failure"
+    NODE_LOST = "node_lost"
+    GPU_FAULT = "gpu_fault"
+    HANG = "hang"
+    STRAGGLER = "straggler"
+    BATCH_HOST_DOWN = "batch_host_down"
+    PREFLIGHT_FAILED = "preflight_failed"
+    CHANNEL_SILENT = "channel_silent"
+    PREEMPTED = "preempted"
+    TIME_LIMIT = "time_limit"
+    RESTART = "restart"  # workers restarted (in place, spare joined, new step, requeue, new job)
+    CHECKPOINT = "checkpoint"  # a verified checkpoint: progress
+
+
+class ActionKind(enum.StrEnum):
+    SUBMIT = "submit"
+    DRAIN_NODE = "drain_node"
+    RESUME_NODE = "resume_node"
+    DOWN_NODE = "down_node"
+    EVICT_NODE = "evict_node"
+    AGENT_LEAVE = "agent_leave"
+    REQUEUE = "requeue"
+    RESUBMIT = "resubmit"
+    CANCEL = "cancel"
+    SIGNAL = "signal"
+    STOP_RUN = "stop_run"
+    DENYLIST_ADD = "denylist_add"
+    DENYLIST_REMOVE = "denylist_remove"
+
+
+class ActionStatus(enum.StrEnum):
+    PLANNED = "planned"
+    DONE = "done"
+    FAILED = "failed"
+    SKIPPED = "skipped"  # observe-only mode, or not permitted (recorded with the reason)
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+    type_annotation_map = {datetime: UTCDateTime(), dict[str, Any]: JSON(), list[str]: JSON()}
+
+
+def new_run_id() -> str:
+    return "r" + secrets.token_hex(6)
+
+
+class Run(Base):
+    __tablename__ = "runs"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True, default=new_run_id)
+    name: Mapped[str] = mapped_column(String(200))
+    owner_uid: Mapped[int]
+    owner_name: Mapped[str] = mapped_column(String(64))
+    state: Mapped[RunState] = mapped_column(_enum(RunState), default=RunState.PENDING, index=True)
+    nodes: Mapped[int]
+    spares: Mapped[int] = mapped_column(default=0)
+    command: Mapped[list[str]]
+    checkpoint_dir: Mapped[str | None] = mapped_column(Text)
+    token_hash: Mapped[str | None] = mapped_column(String(128))
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    started_at: Mapped[datetime | None]
+    ended_at: Mapped[datetime | None]
+    end_reason: Mapped[str | None] = mapped_column(Text)
+    last_progress_at: Mapped[datetime | None]
+    restarts_without_progress: Mapped[int] = mapped_column(default=0)
+
+    attempts: Mapped[list[Attempt]] = relationship(
+        back_populates="run", order_by="Attempt.number", cascade="all, delete-orphan"
+    )
+
+    @validates("state")
+    def _check_state(self, _key: str, new: RunState) -> RunState:
+        check_transition(self.state, RunState(new), RUN_TRANSITIONS)
+        return RunState(new)
+
+
+class Attempt(Base):
+    __tablename__ = "attempts"
+    __table_args__ = (UniqueConstraint("run_id", "number"),)
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    run_id: Mapped[str] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), index=True)
+    number: Mapped[int]
+    slurm_job_id: Mapped[str | None] = mapped_column(String(32), index=True)
+    state: Mapped[AttemptState] = mapped_column(
+        _enum(AttemptState), default=AttemptState.SUBMITTED
+    )
+    nodelist: Mapped[str | None] = mapped_column(Text)
+    batch_host: Mapped[str | None] = mapped_column(String(128))
+    submitted_at: Mapped[datetime] = mapped_column(default=utcnow)
+    started_at: Mapped[datetime | None]
+    ended_at: Mapped[datetime | None]
+    end_reason: Mapped[str | None] = mapped_column(Text)
+    failure_class: Mapped[FaultClass | None] = mapped_column(_enum(FaultClass))
+
+    run: Mapped[Run] = relationship(back_populates="attempts")
+    nodes: Mapped[list[AllocationNode]] = relationship(
+        back_populates="attempt", cascade="all, delete-orphan"
+    )
+
+    @validates("state")
+    def _check_state(self, _key: str, new: AttemptState) -> AttemptState:
+        check_transition(self.state, AttemptState(new), ATTEMPT_TRANSITIONS)
+        return AttemptState(new)
+
+
+class AllocationNode(Base):
+    """A node of an attempt's allocation: training (active) or warm spare."""
+
+    __tablename__ = "allocation_nodes"
+    __table_args__ = (UniqueConstraint("attempt_id", "node"),)
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    attempt_id: Mapped[int] = mapped_column(ForeignKey("attempts.id", ondelete="CASCADE"))
+    node: Mapped[str] = mapped_column(String(128), index=True)
+    role: Mapped[NodeRole] = mapped_column(_enum(NodeRole, 16))
+    joined_at: Mapped[datetime] = mapped_column(default=utcnow)
+    left_at: Mapped[datetime | None]
+    left_reason: Mapped[str | None] = mapped_column(Text)
+
+    attempt: Mapped[Attempt] = relationship(back_populates="nodes")
+
+
+class RankHeartbeat(Base):
+    """The latest heartbeat of each rank of a run (one row per rank, updated in place)."""
+
+    __tablename__ = "rank_heartbeats"
+
+    run_id: Mapped[str] = mapped_column(
+        ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True
+    )
+    rank: Mapped[int] = mapped_column(primary_key=True)
+    attempt_id: Mapped[int | None] = mapped_column(
+        ForeignKey("attempts.id", ondelete="SET NULL")
+    )
+    node: Mapped[str] = mapped_column(String(128))
+    phase: Mapped[str] = mapped_column(String(32))
+    step: Mapped[int]
+    seq: Mapped[int] = mapped_column(BigInteger)
+    sent_at: Mapped[datetime]
+    received_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class RankHeartbeatSample(Base):
+    """Sampled heartbeat history (bounded by retention.heartbeat_history_hours)."""
+
+    __tablename__ = "rank_heartbeat_samples"
+    __table_args__ = (Index("ix_rank_heartbeat_samples_run_rank_sent", "run_id", "rank", "sent_at"),)
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    run_id: Mapped[str] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+    rank: Mapped[int]
+    node: Mapped[str] = mapped_column(String(128))
+    phase: Mapped[str] = mapped_column(String(32))
+    step: Mapped[int]
+    sent_at: Mapped[datetime] = mapped_column(index=True)
+
+
+class StepTime(Base):
+    """One rank's time for one step: own compute and collective wait kept apart (raw, bounded)."""
+
+    __tablename__ = "step_times"
+    __table_args__ = (Index("ix_step_times_run_step", "run_id", "step"),)
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    run_id: Mapped[str] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+    attempt_id: Mapped[int | None] = mapped_column(
+        ForeignKey("attempts.id", ondelete="SET NULL")
+    )
+    rank: Mapped[int]
+    step: Mapped[int]
+    peer_group: Mapped[str] = mapped_column(String(64), default="")
+    compute_s: Mapped[float] = mapped_column(Float)
+    wait_s: Mapped[float] = mapped_column(Float)
+    ended_at: Mapped[datetime] = mapped_column(index=True)
+
+
+class StepTimeMinute(Base):
+    """Per-rank per-minute aggregate of step times (kept for good)."""
+
+    __tablename__ = "step_time_minutes"
+
+    run_id: Mapped[str] = mapped_column(
+        ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True
+    )
+    rank: Mapped[int] = mapped_column(primary_key=True)
+    minute: Mapped[datetime] = mapped_column(primary_key=True)
+    peer_group: Mapped[str] = mapped_column(String(64), default="")
+    steps: Mapped[int]
+    first_step: Mapped[int]
+    last_step: Mapped[int]
+    compute_median_s: Mapped[float] = mapped_column(Float)
+    compute_p95_s: Mapped[float] = mapped_column(Float)
+    compute_total_s: Mapped[float] = mapped_column(Float)
+    wait_median_s: Mapped[float] = mapped_column(Float)
+    wait_p95_s: Mapped[float] = mapped_column(Float)
+    wait_total_s: Mapped[float] = mapped_column(Float)
+
+
+class Event(Base):
+    """Something that happened: a failure, a fault, a hang, a straggler, a restart, progress."""
+
+    __tablename__ = "events"
+    __table_args__ = (Index("ix_events_run_occurred", "run_id", "occurred_at"),)
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    run_id: Mapped[str | None] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+    attempt_id: Mapped[int | None] = mapped_column(
+        ForeignKey("attempts.id", ondelete="SET NULL")
+    )
+    kind: Mapped[EventKind] = mapped_column(_enum(EventKind), index=True)
+    fault_class: Mapped[FaultClass | None] = mapped_column(_enum(FaultClass))
+    node: Mapped[str | None] = mapped_column(String(128), index=True)
+    rank: Mapped[int | None]
+    gpu_index: Mapped[int | None]
+    xid: Mapped[int | None]
+    message: Mapped[str] = mapped_column(Text, default="")
+    details: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    # Training time this failure cost: detection + recovery + work redone since the checkpoint.
+    time_lost_s: Mapped[float | None] = mapped_column(Float)
+    source: Mapped[str] = mapped_column(String(32), default="daemon")
+    occurred_at: Mapped[datetime] = mapped_column(default=utcnow)
+    recorded_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class Action(Base):
+    """Everything the controller does (or decided but did not do), with reason and evidence."""
+
+    __tablename__ = "actions"
+    __table_args__ = (Index("ix_actions_run_created", "run_id", "created_at"),)
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    run_id: Mapped[str | None] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+    attempt_id: Mapped[int | None] = mapped_column(
+        ForeignKey("attempts.id", ondelete="SET NULL")
+    )
+    event_id: Mapped[int | None] = mapped_column(ForeignKey("events.id", ondelete="SET NULL"))
+    kind: Mapped[ActionKind] = mapped_column(_enum(ActionKind))
+    node: Mapped[str | None] = mapped_column(String(128))
+    reason: Mapped[str] = mapped_column(Text)
+    evidence: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    status: Mapped[ActionStatus] = mapped_column(
+        _enum(ActionStatus, 16), default=ActionStatus.PLANNED
+    )
+    error: Mapped[str | None] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    finished_at: Mapped[datetime | None]
+
+
+class DenylistEntry(Base):
+    """A node kept out: of one run (``run_id`` set) or of every run (``run_id`` NULL)."""
+
+    __tablename__ = "node_denylist"
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    node: Mapped[str] = mapped_column(String(128), index=True)
+    run_id: Mapped[str | None] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+    reason: Mapped[str] = mapped_column(Text)
+    action_id: Mapped[int | None] = mapped_column(ForeignKey("actions.id", ondelete="SET NULL"))
+    added_at: Mapped[datetime] = mapped_column(default=utcnow)
+    expires_at: Mapped[datetime | None]
+    removed_at: Mapped[datetime | None]
