@@ -28,9 +28,28 @@ ENV_PREFIX = "SLURMFT_"
 # Filesystems on which SQLite's locking is unreliable: a database there corrupts silently.
 NETWORK_FILESYSTEMS = frozenset(
     {
-        "nfs", "nfs4", "cifs", "smb3", "smbfs", "lustre", "gpfs", "beegfs", "ceph", "cephfs",
-        "glusterfs", "fuse.glusterfs", "fuse.sshfs", "fuse.ceph", "9p", "afs", "panfs", "wekafs",
-        "fuse.beegfs", "fuse.juicefs", "fuse.s3fs", "davfs",
+        "nfs",
+        "nfs4",
+        "cifs",
+        "smb3",
+        "smbfs",
+        "lustre",
+        "gpfs",
+        "beegfs",
+        "ceph",
+        "cephfs",
+        "glusterfs",
+        "fuse.glusterfs",
+        "fuse.sshfs",
+        "fuse.ceph",
+        "9p",
+        "afs",
+        "panfs",
+        "wekafs",
+        "fuse.beegfs",
+        "fuse.juicefs",
+        "fuse.s3fs",
+        "davfs",
     }
 )
 
@@ -88,7 +107,7 @@ class Setting:
                 return _parse_bool(value)
             raise ValueError(f"{value!r} is not a boolean")
         if self.kind is int:
-            if isinstance(value, bool) or isinstance(value, float):
+            if isinstance(value, bool | float):
                 raise ValueError(f"{value!r} is not a whole number")
             return int(value)
         if self.kind is float:
@@ -108,54 +127,125 @@ class Setting:
 
 
 SETTINGS: tuple[Setting, ...] = (
-    Setting("paths.state_dir", str, "",
-            "Directory for the SQLite store and daemon state. Empty: /var/lib/slurmft for root, "
-            "$XDG_STATE_HOME/slurmft (~/.local/state/slurmft) otherwise. Must be on local disk."),
-    Setting("paths.runtime_dir", str, "",
-            "Directory for the CLI's unix socket. Empty: /run/slurmft for root, "
-            "$XDG_RUNTIME_DIR/slurmft (or the state directory) otherwise."),
-    Setting("database.url", str, "",
-            "SQLAlchemy URL of the store. Empty: a SQLite file slurmft.db in the state directory. "
-            "PostgreSQL: postgresql://user@host/db (driven by psycopg 3)."),
-    Setting("database.busy_timeout_ms", int, 5000,
-            "SQLite: how long a writer waits for a lock before failing.", minimum=0),
+    Setting(
+        "paths.state_dir",
+        str,
+        "",
+        "Directory for the SQLite store and daemon state. Empty: /var/lib/slurmft for root, "
+        "$XDG_STATE_HOME/slurmft (~/.local/state/slurmft) otherwise. Must be on local disk.",
+    ),
+    Setting(
+        "paths.runtime_dir",
+        str,
+        "",
+        "Directory for the CLI's unix socket. Empty: /run/slurmft for root, "
+        "$XDG_RUNTIME_DIR/slurmft (or the state directory) otherwise.",
+    ),
+    Setting(
+        "database.url",
+        str,
+        "",
+        "SQLAlchemy URL of the store. Empty: a SQLite file slurmft.db in the state directory. "
+        "PostgreSQL: postgresql://user@host/db (driven by psycopg 3).",
+    ),
+    Setting(
+        "database.busy_timeout_ms",
+        int,
+        5000,
+        "SQLite: how long a writer waits for a lock before failing.",
+        minimum=0,
+    ),
     Setting("database.pool_size", int, 5, "PostgreSQL connection pool size.", minimum=1),
-    Setting("log.level", str, "INFO", "Log level.",
-            choices=("DEBUG", "INFO", "WARNING", "ERROR")),
-    Setting("log.format", str, "text", "Log line format: text (journald-friendly) or json.",
-            choices=("text", "json")),
-    Setting("slurm.conf", str, "",
-            "Path to slurm.conf for the Slurm commands. Empty: Slurm's own default (SLURM_CONF or "
-            "/etc/slurm/slurm.conf)."),
-    Setting("slurm.command_timeout_s", float, 30.0,
-            "Timeout of one Slurm command; past it the call fails as 'Slurm unreachable'.",
-            minimum=1.0),
-    Setting("daemon.ingest_listen", str, "127.0.0.1:8787",
-            "host:port where the daemon receives agent reports over HTTP."),
-    Setting("daemon.metrics_listen", str, "127.0.0.1:9787",
-            "host:port of the Prometheus /metrics and /healthz endpoint."),
-    Setting("daemon.poll_interval_s", float, 5.0,
-            "How often the daemon queries Slurm for all tracked jobs (one batched call).",
-            minimum=0.5),
-    Setting("daemon.observe_only", bool, False,
-            "Decide and record actions but execute none of them."),
-    Setting("retention.step_times_raw_hours", float, 6.0,
-            "Raw per-step times are kept this long, then folded into per-rank per-minute "
-            "aggregates (kept for good).", minimum=0.0),
-    Setting("retention.heartbeat_history_hours", float, 24.0,
-            "Sampled heartbeat history is kept this long; the latest heartbeat per rank is "
-            "always kept.", minimum=0.0),
-    Setting("retention.heartbeat_sample_s", float, 60.0,
-            "At most one heartbeat per rank per this many seconds goes into the history.",
-            minimum=0.0),
-    Setting("policy.max_restarts_without_progress", int, 5,
-            "Stop a run after this many restarts in a row without a newer verified checkpoint.",
-            minimum=1),
-    Setting("policy.straggler_threshold", float, 0.20,
-            "A rank whose own compute time exceeds the median of its peers by more than this "
-            "fraction, sustained over the window, is a straggler.", minimum=0.01, maximum=10.0),
-    Setting("policy.straggler_window_s", float, 300.0,
-            "How long a straggler margin must be sustained before it is flagged.", minimum=1.0),
+    Setting("log.level", str, "INFO", "Log level.", choices=("DEBUG", "INFO", "WARNING", "ERROR")),
+    Setting(
+        "log.format",
+        str,
+        "text",
+        "Log line format: text (journald-friendly) or json.",
+        choices=("text", "json"),
+    ),
+    Setting(
+        "slurm.conf",
+        str,
+        "",
+        "Path to slurm.conf for the Slurm commands. Empty: Slurm's own default (SLURM_CONF or "
+        "/etc/slurm/slurm.conf).",
+    ),
+    Setting(
+        "slurm.command_timeout_s",
+        float,
+        30.0,
+        "Timeout of one Slurm command; past it the call fails as 'Slurm unreachable'.",
+        minimum=1.0,
+    ),
+    Setting(
+        "daemon.ingest_listen",
+        str,
+        "127.0.0.1:8787",
+        "host:port where the daemon receives agent reports over HTTP.",
+    ),
+    Setting(
+        "daemon.metrics_listen",
+        str,
+        "127.0.0.1:9787",
+        "host:port of the Prometheus /metrics and /healthz endpoint.",
+    ),
+    Setting(
+        "daemon.poll_interval_s",
+        float,
+        5.0,
+        "How often the daemon queries Slurm for all tracked jobs (one batched call).",
+        minimum=0.5,
+    ),
+    Setting(
+        "daemon.observe_only", bool, False, "Decide and record actions but execute none of them."
+    ),
+    Setting(
+        "retention.step_times_raw_hours",
+        float,
+        6.0,
+        "Raw per-step times are kept this long, then folded into per-rank per-minute "
+        "aggregates (kept for good).",
+        minimum=0.0,
+    ),
+    Setting(
+        "retention.heartbeat_history_hours",
+        float,
+        24.0,
+        "Sampled heartbeat history is kept this long; the latest heartbeat per rank is "
+        "always kept.",
+        minimum=0.0,
+    ),
+    Setting(
+        "retention.heartbeat_sample_s",
+        float,
+        60.0,
+        "At most one heartbeat per rank per this many seconds goes into the history.",
+        minimum=0.0,
+    ),
+    Setting(
+        "policy.max_restarts_without_progress",
+        int,
+        5,
+        "Stop a run after this many restarts in a row without a newer verified checkpoint.",
+        minimum=1,
+    ),
+    Setting(
+        "policy.straggler_threshold",
+        float,
+        0.20,
+        "A rank whose own compute time exceeds the median of its peers by more than this "
+        "fraction, sustained over the window, is a straggler.",
+        minimum=0.01,
+        maximum=10.0,
+    ),
+    Setting(
+        "policy.straggler_window_s",
+        float,
+        300.0,
+        "How long a straggler margin must be sustained before it is flagged.",
+        minimum=1.0,
+    ),
 )
 SETTINGS_BY_KEY: dict[str, Setting] = {s.key: s for s in SETTINGS}
 
@@ -231,7 +321,7 @@ def _flatten_toml(data: Mapping[str, Any], where: str) -> dict[str, Any]:
         if not isinstance(body, dict):
             raise ConfigError(
                 f"{where}: top-level key {section!r} must be a [section] table "
-                f"(e.g. [database] url = \"...\")"
+                f'(e.g. [database] url = "...")'
             )
         for name, value in body.items():
             flat[f"{section}.{name}"] = value
@@ -279,9 +369,12 @@ def load_config(
         layers.append((str(user_file), read_toml(user_file)))
     env_layer = {s.key: env[s.env_var] for s in SETTINGS if s.env_var in env}
     unknown_env = [
-        name for name in env
-        if name.startswith(ENV_PREFIX) and name != ENV_CONFIG
-        and name not in {s.env_var for s in SETTINGS} and not name.startswith("SLURMFT_TEST_")
+        name
+        for name in env
+        if name.startswith(ENV_PREFIX)
+        and name != ENV_CONFIG
+        and name not in {s.env_var for s in SETTINGS}
+        and not name.startswith("SLURMFT_TEST_")
     ]
     if unknown_env:
         close = difflib.get_close_matches(unknown_env[0], [s.env_var for s in SETTINGS], n=1)

@@ -2,7 +2,7 @@
 
 Revision ID: 0001
 Revises:
-Create Date: 2026-11-29 11:03:46.257572
+Create Date: 2026-11-29 11:06:04.083771
 """
 
 from collections.abc import Sequence
@@ -294,6 +294,7 @@ def upgrade() -> None:
         sa.Column("seq", sa.BigInteger(), nullable=False),
         sa.Column("sent_at", sa.DateTime(), nullable=False),
         sa.Column("received_at", sa.DateTime(), nullable=False),
+        sa.Column("sampled_at", sa.DateTime(), nullable=True),
         sa.ForeignKeyConstraint(
             ["attempt_id"],
             ["attempts.id"],
@@ -335,7 +336,7 @@ def upgrade() -> None:
         sa.PrimaryKeyConstraint("id", name=op.f("pk_step_times")),
     )
     with op.batch_alter_table("step_times", schema=None) as batch_op:
-        batch_op.create_index(batch_op.f("ix_step_times_ended_at"), ["ended_at"], unique=False)
+        batch_op.create_index("ix_step_times_run_ended", ["run_id", "ended_at"], unique=False)
         batch_op.create_index("ix_step_times_run_step", ["run_id", "step"], unique=False)
 
     op.create_table(
@@ -453,7 +454,7 @@ def downgrade() -> None:
     op.drop_table("actions")
     with op.batch_alter_table("step_times", schema=None) as batch_op:
         batch_op.drop_index("ix_step_times_run_step")
-        batch_op.drop_index(batch_op.f("ix_step_times_ended_at"))
+        batch_op.drop_index("ix_step_times_run_ended")
 
     op.drop_table("step_times")
     op.drop_table("rank_heartbeats")

@@ -129,7 +129,9 @@ class Database:
             event.listen(engine, "connect", _sqlite_pragmas(busy_timeout_ms))
             return engine
         return create_engine(
-            self.url, pool_size=pool_size, pool_pre_ping=True,
+            self.url,
+            pool_size=pool_size,
+            pool_pre_ping=True,
             connect_args={"connect_timeout": 10},
         )
 
@@ -156,8 +158,9 @@ class Database:
     def _alembic_config(self) -> AlembicConfig:
         cfg = AlembicConfig()
         cfg.set_main_option("script_location", str(migrations_dir()))
-        cfg.set_main_option("sqlalchemy.url", self.url.render_as_string(hide_password=False)
-                            .replace("%", "%%"))
+        cfg.set_main_option(
+            "sqlalchemy.url", self.url.render_as_string(hide_password=False).replace("%", "%%")
+        )
         return cfg
 
     def head_revision(self) -> str:
@@ -211,8 +214,16 @@ class Database:
 
 def _is_unreachable(exc: OperationalError) -> bool:
     text = str(exc.orig).lower()
-    markers = ("connection", "could not connect", "unable to open database", "server closed",
-               "timeout expired", "no such host", "name or service not known", "refused")
+    markers = (
+        "connection",
+        "could not connect",
+        "unable to open database",
+        "server closed",
+        "timeout expired",
+        "no such host",
+        "name or service not known",
+        "refused",
+    )
     return any(marker in text for marker in markers)
 
 

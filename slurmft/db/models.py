@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 import secrets
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, ClassVar
 
 from sqlalchemy import (
     JSON,
@@ -140,7 +140,11 @@ class ActionStatus(enum.StrEnum):
 
 class Base(DeclarativeBase):
     metadata = MetaData(naming_convention=NAMING_CONVENTION)
-    type_annotation_map = {datetime: UTCDateTime(), dict[str, Any]: JSON(), list[str]: JSON()}
+    type_annotation_map: ClassVar[dict[Any, Any]] = {
+        datetime: UTCDateTime(),
+        dict[str, Any]: JSON(),
+        list[str]: JSON(),
+    }
 
 
 def new_run_id() -> str:
@@ -185,9 +189,7 @@ class Attempt(Base):
     run_id: Mapped[str] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), index=True)
     number: Mapped[int]
     slurm_job_id: Mapped[str | None] = mapped_column(String(32), index=True)
-    state: Mapped[AttemptState] = mapped_column(
-        _enum(AttemptState), default=AttemptState.SUBMITTED
-    )
+    state: Mapped[AttemptState] = mapped_column(_enum(AttemptState), default=AttemptState.SUBMITTED)
     nodelist: Mapped[str | None] = mapped_column(Text)
     batch_host: Mapped[str | None] = mapped_column(String(128))
     submitted_at: Mapped[datetime] = mapped_column(default=utcnow)
@@ -229,26 +231,26 @@ class RankHeartbeat(Base):
 
     __tablename__ = "rank_heartbeats"
 
-    run_id: Mapped[str] = mapped_column(
-        ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True
-    )
+    run_id: Mapped[str] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
     rank: Mapped[int] = mapped_column(primary_key=True)
-    attempt_id: Mapped[int | None] = mapped_column(
-        ForeignKey("attempts.id", ondelete="SET NULL")
-    )
+    attempt_id: Mapped[int | None] = mapped_column(ForeignKey("attempts.id", ondelete="SET NULL"))
     node: Mapped[str] = mapped_column(String(128))
     phase: Mapped[str] = mapped_column(String(32))
     step: Mapped[int]
     seq: Mapped[int] = mapped_column(BigInteger)
     sent_at: Mapped[datetime]
     received_at: Mapped[datetime] = mapped_column(default=utcnow)
+    # When this rank last went into the sampled history; bounds the history's growth.
+    sampled_at: Mapped[datetime | None]
 
 
 class RankHeartbeatSample(Base):
     """Sampled heartbeat history (bounded by retention.heartbeat_history_hours)."""
 
     __tablename__ = "rank_heartbeat_samples"
-    __table_args__ = (Index("ix_rank_heartbeat_samples_run_rank_sent", "run_id", "rank", "sent_at"),)
+    __table_args__ = (
+        Index("ix_rank_heartbeat_samples_run_rank_sent", "run_id", "rank", "sent_at"),
+    )
 
     id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
     run_id: Mapped[str] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
@@ -263,19 +265,21 @@ class StepTime(Base):
     """One rank's time for one step: own compute and collective wait kept apart (raw, bounded)."""
 
     __tablename__ = "step_times"
-    __table_args__ = (Index("ix_step_times_run_step", "run_id", "step"),)
+    __table_args__ = (
+        Index("ix_step_times_run_step", "run_id", "step"),
+        # Retention folds old rows per run and minute.
+        Index("ix_step_times_run_ended", "run_id", "ended_at"),
+    )
 
     id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
     run_id: Mapped[str] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
-    attempt_id: Mapped[int | None] = mapped_column(
-        ForeignKey("attempts.id", ondelete="SET NULL")
-    )
+    attempt_id: Mapped[int | None] = mapped_column(ForeignKey("attempts.id", ondelete="SET NULL"))
     rank: Mapped[int]
     step: Mapped[int]
     peer_group: Mapped[str] = mapped_column(String(64), default="")
     compute_s: Mapped[float] = mapped_column(Float)
     wait_s: Mapped[float] = mapped_column(Float)
-    ended_at: Mapped[datetime] = mapped_column(index=True)
+    ended_at: Mapped[datetime]
 
 
 class StepTimeMinute(Base):
@@ -283,9 +287,7 @@ class StepTimeMinute(Base):
 
     __tablename__ = "step_time_minutes"
 
-    run_id: Mapped[str] = mapped_column(
-        ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True
-    )
+    run_id: Mapped[str] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
     rank: Mapped[int] = mapped_column(primary_key=True)
     minute: Mapped[datetime] = mapped_column(primary_key=True)
     peer_group: Mapped[str] = mapped_column(String(64), default="")
@@ -308,9 +310,7 @@ class Event(Base):
 
     id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
     run_id: Mapped[str | None] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
-    attempt_id: Mapped[int | None] = mapped_column(
-        ForeignKey("attempts.id", ondelete="SET NULL")
-    )
+    attempt_id: Mapped[int | None] = mapped_column(ForeignKey("attempts.id", ondelete="SET NULL"))
     kind: Mapped[EventKind] = mapped_column(_enum(EventKind), index=True)
     fault_class: Mapped[FaultClass | None] = mapped_column(_enum(FaultClass))
     node: Mapped[str | None] = mapped_column(String(128), index=True)
@@ -334,9 +334,7 @@ class Action(Base):
 
     id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
     run_id: Mapped[str | None] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
-    attempt_id: Mapped[int | None] = mapped_column(
-        ForeignKey("attempts.id", ondelete="SET NULL")
-    )
+    attempt_id: Mapped[int | None] = mapped_column(ForeignKey("attempts.id", ondelete="SET NULL"))
     event_id: Mapped[int | None] = mapped_column(ForeignKey("events.id", ondelete="SET NULL"))
     kind: Mapped[ActionKind] = mapped_column(_enum(ActionKind))
     node: Mapped[str | None] = mapped_column(String(128))

@@ -53,12 +53,22 @@ _RUN_TERMINAL = frozenset(
 RUN_TRANSITIONS: dict[RunState, frozenset[RunState]] = {
     RunState.PENDING: frozenset({RunState.RUNNING, RunState.FAILED, RunState.CANCELLED}),
     RunState.RUNNING: frozenset(
-        {RunState.RECOVERING, RunState.COMPLETED, RunState.FAILED, RunState.CANCELLED,
-         RunState.STOPPED}
+        {
+            RunState.RECOVERING,
+            RunState.COMPLETED,
+            RunState.FAILED,
+            RunState.CANCELLED,
+            RunState.STOPPED,
+        }
     ),
     RunState.RECOVERING: frozenset(
-        {RunState.RUNNING, RunState.COMPLETED, RunState.FAILED, RunState.CANCELLED,
-         RunState.STOPPED}
+        {
+            RunState.RUNNING,
+            RunState.COMPLETED,
+            RunState.FAILED,
+            RunState.CANCELLED,
+            RunState.STOPPED,
+        }
     ),
     **{state: frozenset() for state in _RUN_TERMINAL},
 }
@@ -103,9 +113,16 @@ ATTEMPT_TRANSITIONS: dict[AttemptState, frozenset[AttemptState]] = {
         {AttemptState.RUNNING, AttemptState.CANCELLED, AttemptState.FAILED, AttemptState.LOST}
     ),
     AttemptState.RUNNING: frozenset(
-        {AttemptState.COMPLETED, AttemptState.FAILED, AttemptState.NODE_FAIL,
-         AttemptState.TIMEOUT, AttemptState.PREEMPTED, AttemptState.CANCELLED,
-         AttemptState.REQUEUED, AttemptState.LOST}
+        {
+            AttemptState.COMPLETED,
+            AttemptState.FAILED,
+            AttemptState.NODE_FAIL,
+            AttemptState.TIMEOUT,
+            AttemptState.PREEMPTED,
+            AttemptState.CANCELLED,
+            AttemptState.REQUEUED,
+            AttemptState.LOST,
+        }
     ),
     **{state: frozenset() for state in AttemptState if state.is_terminal},
 }
@@ -114,9 +131,7 @@ ATTEMPT_TRANSITIONS: dict[AttemptState, frozenset[AttemptState]] = {
 S = TypeVar("S", RunState, AttemptState)
 
 
-def check_transition(
-    current: S | None, new: S, table: dict[S, frozenset[S]]
-) -> None:
+def check_transition(current: S | None, new: S, table: dict[S, frozenset[S]]) -> None:
     """Raise :class:`IllegalTransition` unless ``current -> new`` is allowed by ``table``."""
     if current is None or current == new:
         return

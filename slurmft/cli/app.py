@@ -1,0 +1,59 @@
+"""The typer application and the options every command shares."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from slurmft import __version__
+from slurmft.cli import config_cmd, db_cmd, history_cmd
+from slurmft.cli.context import CliState
+
+app = typer.Typer(
+    name="slurmft",
+    help="Keep long distributed training runs on Slurm alive through GPU faults, dead or hung "
+    "nodes and stragglers.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+app.add_typer(config_cmd.app, name="config")
+app.add_typer(db_cmd.app, name="db")
+app.add_typer(history_cmd.app, name="history")
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"slurmft {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def root(
+    ctx: typer.Context,
+    config: Annotated[
+        Path | None,
+        typer.Option(
+            "--config",
+            "-c",
+            help="Config file (TOML); default: $SLURMFT_CONFIG. "
+            "Read after /etc/slurmft/slurmft.toml.",
+            show_default=False,
+        ),
+    ] = None,
+    set_: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--set",
+            help="Override one setting: section.key=value (repeatable; wins "
+            "over files and environment).",
+            show_default=False,
+        ),
+    ] = None,
+    version: Annotated[
+        bool, typer.Option("--version", callback=_version, is_eager=True, help="Print version.")
+    ] = False,
+) -> None:
+    ctx.obj = CliState(config_file=config, overrides=list(set_ or []))

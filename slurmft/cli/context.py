@@ -1,0 +1,41 @@
+"""What the root command hands to every subcommand: lazily loaded config and store."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from slurmft.config import Config, load_config
+from slurmft.db import Database
+
+
+@dataclass
+class CliState:
+    config_file: Path | None = None
+    overrides: list[str] = field(default_factory=list)
+    _config: Config | None = None
+
+    @property
+    def config(self) -> Config:
+        if self._config is None:
+            self._config = load_config(config_file=self.config_file, overrides=self.overrides)
+        return self._config
+
+    def database(self) -> Database:
+        return Database.from_config(self.config)
+
+
+def state(ctx: typer.Context) -> CliState:
+    obj = ctx.find_root().obj
+    if not isinstance(obj, CliState):  # a subcommand app invoked on its own (tests)
+        obj = CliState()
+        ctx.find_root().obj = obj
+    return obj
+
+
+def echo_json(data: Any) -> None:
+    typer.echo(json.dumps(data, indent=2, sort_keys=True, default=str))

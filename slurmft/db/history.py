@@ -1,0 +1,89 @@
+"""Failure history: the SQL views created by the migrations, and how to read them.
+
+The views are the documented interface (see docs/failure-history.md); this module only names them
+and reads them, so `slurmft history` and a person at a SQL prompt see the same rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import text
+from sqlalchemy.orm import Session
+
+
+@dataclass(frozen=True)
+class HistoryView:
+    name: str
+    question: str
+    order_by: str
+    has_run: bool = False
+
+
+HISTORY_VIEWS: dict[str, HistoryView] = {
+    v.name: v
+    for v in (
+        HistoryView(
+            "failures_by_node", "Which nodes failed, how, and how often?", "failures DESC, node"
+        ),
+        HistoryView(
+            "failures_by_class",
+            "Which fault classes and Xids cost the most?",
+            "failures DESC, fault_class",
+        ),
+        HistoryView(
+            "run_failures",
+            "How many failures did each run see, and what did they cost?",
+            "time_lost_s DESC, run_id",
+            has_run=True,
+        ),
+        HistoryView(
+            "run_restarts",
+            "How often was each run restarted, and why?",
+            "restarts DESC, run_id",
+            has_run=True,
+        ),
+        HistoryView("node_lemons", "Which nodes fail again and again?", "position, node"),
+        HistoryView(
+            "run_effective_time",
+            "What fraction of each run's time was training?",
+            "effective_ratio, run_id",
+            has_run=True,
+        ),
+    )
+}
+
+
+class UnknownView(KeyError):
+    pass
+
+
+def read_view(
+    session: Session, name: str, *, run_id: str | None = None, limit: int | None = None
+) -> list[dict[str, Any]]:
+    """Rows of one history view as plain dicts (timestamps as ISO strings)."""
+    view = HISTORY_VIEWS.get(name)
+    if view is None:
+        raise UnknownView(name)
+    # The view name and ORDER BY come from the fixed table above, never from the caller.
+    sql = f"SELECT * FROM {view.name}"
+    params: dict[str, Any] = {}
+    if run_id is not None and view.has_run:
+        sql += " WHERE run_id = :run_id"
+        params["run_id"] = run_id
+    sql += f" ORDER BY {view.order_by}"
+    if limit is not None:
+        sql += " LIMIT :limit"
+        params["limit"] = limit
+    result = session.execute(text(sql), params)
+    return [{key: _plain(value) for key, value in row.items()} for row in result.mappings()]
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, datetime):
+        return value.isoformat()
+    if value is not None and not isinstance(value, (int, float, str, bool)):
+        return float(value)  # PostgreSQL numeric -> Decimal
+    return value

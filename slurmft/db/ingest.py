@@ -1,0 +1,178 @@
+"""Writing agent reports into the store in batches.
+
+The shapes here are what the daemon's ingest endpoint hands over: one batch of heartbeats and
+step times per agent report. Both writes are idempotent, because agents resend a batch until it is
+acknowledged: the latest-heartbeat upsert only moves forward in ``seq``, and step times are unique
+per (run, rank, step) through the caller's sequence numbers (the daemon drops a batch it has seen).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any, TypeVar
+
+from sqlalchemy import Insert, insert, select
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.orm import Session
+
+from slurmft.db.models import RankHeartbeat, RankHeartbeatSample, StepTime, utcnow
+
+# SQLite allows 32,766 bound parameters per statement; 9 columns x 2,000 rows stays well inside.
+UPSERT_CHUNK = 2000
+
+
+@dataclass(frozen=True)
+class HeartbeatReport:
+    rank: int
+    node: str
+    phase: str
+    step: int
+    seq: int
+    sent_at: datetime
+
+
+@dataclass(frozen=True)
+class StepTimeReport:
+    rank: int
+    step: int
+    compute_s: float
+    wait_s: float
+    ended_at: datetime
+    peer_group: str = ""
+
+
+def _dialect_insert(session: Session, table: Any) -> Insert:
+    name = session.get_bind().dialect.name
+    if name == "sqlite":
+        return sqlite.insert(table)
+    if name == "postgresql":
+        return postgresql.insert(table)
+    raise NotImplementedError(f"no upsert for dialect {name}")
+
+
+T = TypeVar("T")
+
+
+def _chunks(items: Sequence[T], size: int) -> Iterable[Sequence[T]]:
+    for start in range(0, len(items), size):
+        yield items[start : start + size]
+
+
+def record_heartbeats(
+    session: Session,
+    run_id: str,
+    attempt_id: int | None,
+    heartbeats: Sequence[HeartbeatReport],
+    *,
+    sample_every: timedelta = timedelta(seconds=60),
+    received_at: datetime | None = None,
+) -> int:
+    """Keep the newest heartbeat per rank and sample at most one per rank per ``sample_every``.
+
+    Returns the number of history samples written.
+    """
+    if not heartbeats:
+        return 0
+    received_at = received_at or utcnow()
+    newest: dict[int, HeartbeatReport] = {}
+    for hb in heartbeats:  # a batch may hold several beats of one rank: the highest seq wins
+        if hb.rank not in newest or hb.seq > newest[hb.rank].seq:
+            newest[hb.rank] = hb
+    last_sampled = dict(
+        session.execute(
+            select(RankHeartbeat.rank, RankHeartbeat.sampled_at).where(
+                RankHeartbeat.run_id == run_id
+            )
+        ).tuples()
+    )
+    samples = [
+        hb
+        for hb in newest.values()
+        if last_sampled.get(hb.rank) is None or hb.sent_at - last_sampled[hb.rank] >= sample_every
+    ]
+    sampled_ranks = {hb.rank for hb in samples}
+    if samples:
+        session.execute(
+            insert(RankHeartbeatSample),
+            [
+                {
+                    "run_id": run_id,
+                    "rank": hb.rank,
+                    "node": hb.node,
+                    "phase": hb.phase,
+                    "step": hb.step,
+                    "sent_at": hb.sent_at,
+                }
+                for hb in samples
+            ],
+        )
+    rows = [
+        {
+            "run_id": run_id,
+            "rank": hb.rank,
+            "attempt_id": attempt_id,
+            "node": hb.node,
+            "phase": hb.phase,
+            "step": hb.step,
+            "seq": hb.seq,
+            "sent_at": hb.sent_at,
+            "received_at": received_at,
+            "sampled_at": hb.sent_at if hb.rank in sampled_ranks else last_sampled.get(hb.rank),
+        }
+        for hb in newest.values()
+    ]
+    table = RankHeartbeat.__table__
+    for chunk in _chunks(rows, UPSERT_CHUNK):
+        stmt = _dialect_insert(session, table).values(list(chunk))
+        excluded = stmt.excluded
+        session.execute(
+            stmt.on_conflict_do_update(
+                index_elements=[table.c.run_id, table.c.rank],
+                set_={
+                    col: excluded[col]
+                    for col in (
+                        "attempt_id",
+                        "node",
+                        "phase",
+                        "step",
+                        "seq",
+                        "sent_at",
+                        "received_at",
+                        "sampled_at",
+                    )
+                },
+                # Resent or reordered batches never move a rank's heartbeat backwards.
+                where=excluded.seq > table.c.seq,
+            )
+        )
+    return len(samples)
+
+
+def record_step_times(
+    session: Session,
+    run_id: str,
+    attempt_id: int | None,
+    step_times: Sequence[StepTimeReport],
+) -> int:
+    """Append raw step times (one executemany); returns the number of rows written."""
+    if not step_times:
+        return 0
+    session.execute(
+        insert(StepTime),
+        [
+            {
+                "run_id": run_id,
+                "attempt_id": attempt_id,
+                "rank": st.rank,
+                "step": st.step,
+                "peer_group": st.peer_group,
+                "compute_s": st.compute_s,
+                "wait_s": st.wait_s,
+                "ended_at": st.ended_at,
+            }
+            for st in step_times
+        ],
+    )
+    return len(step_times)
