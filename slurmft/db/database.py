@@ -13,6 +13,7 @@ from alembic import command
 from alembic.config import Config as AlembicConfig
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
+from alembic.util.exc import CommandError
 from sqlalchemy import Engine, create_engine, event, make_url
 from sqlalchemy.engine import URL
 from sqlalchemy.exc import OperationalError
@@ -123,7 +124,13 @@ class Database:
             path = self.url.database
             if path and path != ":memory:" and not path.startswith("file:"):
                 db_path = Path(path).expanduser()
-                db_path.parent.mkdir(parents=True, exist_ok=True)
+                try:
+                    db_path.parent.mkdir(parents=True, exist_ok=True)
+                except OSError as exc:
+                    raise DatabaseUnavailable(
+                        f"cannot create the directory of the SQLite store {db_path}: "
+                        f"{exc.strerror}. Set paths.state_dir or database.url to a writable place."
+                    ) from exc
                 check_sqlite_location(db_path)
             engine = create_engine(self.url)
             event.listen(engine, "connect", _sqlite_pragmas(busy_timeout_ms))
@@ -185,8 +192,7 @@ class Database:
             raise SchemaOutOfDate(
                 f"the store at {self.describe()} has no slurmft schema yet: run `{UPGRADE_HINT}`"
             )
-        script = ScriptDirectory.from_config(self._alembic_config())
-        if script.get_revision(status.current) is None:
+        if not self._knows_revision(status.current):
             raise SchemaOutOfDate(
                 f"the store at {self.describe()} is at revision {status.current}, which this "
                 f"slurmft does not know (a newer slurmft migrated it): upgrade slurmft"
@@ -196,6 +202,13 @@ class Database:
             f"{status.head}: run `{UPGRADE_HINT}`"
         )
 
+    def _knows_revision(self, revision: str) -> bool:
+        script = ScriptDirectory.from_config(self._alembic_config())
+        try:
+            return script.get_revision(revision) is not None
+        except CommandError:
+            return False
+
     def upgrade(self, revision: str = "head") -> None:
         self._run_alembic(command.upgrade, revision)
 
@@ -204,9 +217,12 @@ class Database:
 
     def _run_alembic(self, fn: Any, revision: str) -> None:
         cfg = self._alembic_config()
-        with self._translate_errors(), self.engine.begin() as conn:
-            cfg.attributes["connection"] = conn
-            fn(cfg, revision)
+        try:
+            with self._translate_errors(), self.engine.begin() as conn:
+                cfg.attributes["connection"] = conn
+                fn(cfg, revision)
+        except CommandError as exc:
+            raise DatabaseError(f"migration to {revision!r} failed: {exc}") from exc
 
     def dispose(self) -> None:
         self.engine.dispose()

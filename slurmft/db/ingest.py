@@ -85,7 +85,7 @@ def record_heartbeats(
             select(RankHeartbeat.rank, RankHeartbeat.sampled_at).where(
                 RankHeartbeat.run_id == run_id
             )
-        ).tuples()
+        ).all()
     )
     samples = [
         hb

@@ -1,0 +1,5 @@
+"""`python -m slurmft` is the `slurmft` command."""
+
+from slurmft.cli import main
+
+main()

@@ -1,0 +1,43 @@
+"""Stores for tests: every store test runs on SQLite and on a real PostgreSQL server."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from sqlalchemy import create_engine, make_url, text
+
+from slurmft.db import Database
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    """An empty store: a fresh SQLite file, or a fresh database on the test PostgreSQL server."""
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path / 'slurmft.db'}"
+        return
+    server = make_url(os.environ["SLURMFT_TEST_POSTGRES_URL"]).set(drivername="postgresql+psycopg")
+    name = f"t_{uuid.uuid4().hex[:12]}"
+    admin = create_engine(server, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(text(f'CREATE DATABASE "{name}"'))
+    try:
+        yield server.set(database=name).render_as_string(hide_password=False)
+    finally:
+        with admin.connect() as conn:
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()
+
+
+@pytest.fixture
+def database(store_url: str) -> Iterator[Database]:
+    """A store at head."""
+    db = Database(store_url)
+    db.upgrade()
+    try:
+        yield db
+    finally:
+        db.dispose()

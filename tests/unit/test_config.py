@@ -1,0 +1,135 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from slurmft.config import (
+    SETTINGS,
+    ConfigError,
+    check_sqlite_location,
+    filesystem_type,
+    load_config,
+    parse_mountinfo,
+)
+
+MOUNTINFO = """\
+22 1 252:0 / / rw,relatime shared:1 - ext4 /dev/vda rw
+30 22 0:40 / /home rw,relatime shared:20 - nfs4 srv:/export/home rw,vers=4.2
+31 22 0:41 / /scratch rw,relatime shared:21 - lustre 10.0.0.1@o2ib:/scratch rw
+32 22 0:42 / /var/lib rw,relatime shared:22 - xfs /dev/vdb rw
+33 30 0:43 / /home/local\\040disk rw,relatime shared:23 - ext4 /dev/vdc rw
+"""
+
+
+def _load(tmp_path: Path, **kwargs: object) -> object:
+    kwargs.setdefault("environ", {})
+    kwargs.setdefault("system_file", tmp_path / "absent.toml")
+    return load_config(**kwargs)  # type: ignore[arg-type]
+
+
+def test_defaults_come_from_the_settings_table(tmp_path: Path) -> None:
+    config = _load(tmp_path)
+    for setting in SETTINGS:
+        assert config[setting.key] == setting.default
+        assert config.source(setting.key) == "default"
+    assert config["policy.max_restarts_without_progress"] == 5
+    assert config["policy.straggler_threshold"] == pytest.approx(0.2)
+
+
+def test_precedence_system_file_user_file_env_flags(tmp_path: Path) -> None:
+    system = tmp_path / "system.toml"
+    system.write_text('[log]\nlevel = "DEBUG"\nformat = "json"\n[daemon]\npoll_interval_s = 2\n'
+                      '[policy]\nstraggler_window_s = 60\n')
+    user = tmp_path / "user.toml"
+    user.write_text('[log]\nlevel = "WARNING"\n[daemon]\npoll_interval_s = 3\n')
+    config = load_config(
+        system_file=system,
+        environ={"SLURMFT_CONFIG": str(user), "SLURMFT_DAEMON_POLL_INTERVAL_S": "4",
+                 "SLURMFT_LOG_LEVEL": "ERROR"},
+        overrides=["log.level=INFO"],
+    )
+    assert (config["log.format"], config.source("log.format")) == ("json", str(system))
+    assert (config["policy.straggler_window_s"], config.source("policy.straggler_window_s")) == (
+        60.0, str(system))
+    assert config["daemon.poll_interval_s"] == 4.0
+    assert config.source("daemon.poll_interval_s") == "env SLURMFT_DAEMON_POLL_INTERVAL_S"
+    assert (config["log.level"], config.source("log.level")) == ("INFO", "flag --set")
+
+
+def test_explicit_config_file_wins_over_the_environment_variable(tmp_path: Path) -> None:
+    env_file = tmp_path / "env.toml"
+    env_file.write_text('[log]\nlevel = "ERROR"\n')
+    flag_file = tmp_path / "flag.toml"
+    flag_file.write_text('[log]\nlevel = "DEBUG"\n')
+    config = _load(tmp_path, config_file=flag_file, environ={"SLURMFT_CONFIG": str(env_file)})
+    assert config["log.level"] == "DEBUG"
+
+
+@pytest.mark.parametrize(
+    ("environ", "overrides", "needle"),
+    [
+        ({"SLURMFT_POLICY_STRAGGLER_THRESHOLD": "fast"}, [], "policy.straggler_threshold"),
+        ({"SLURMFT_POLICY_STRAGGLER_THRESHOLD": "-1"}, [], "must be at least 0.01"),
+        ({"SLURMFT_LOG_FORMAT": "xml"}, [], "one of text, json"),
+        ({}, ["daemon.observe_only=maybe"], "true or false"),
+        ({}, ["policy.max_restarts_without_progress=2.5"], "a whole number"),
+        ({}, ["log.level"], "section.key=value"),
+        ({}, ["policy.straggler_treshold=0.3"], "Did you mean policy.straggler_threshold"),
+        ({"SLURMFT_DATABASE_URLL": "x"}, [], "Did you mean SLURMFT_DATABASE_URL"),
+    ],
+)
+def test_bad_values_name_the_key_and_the_fix(
+    tmp_path: Path, environ: dict[str, str], overrides: list[str], needle: str
+) -> None:
+    with pytest.raises(ConfigError) as info:
+        _load(tmp_path, environ=environ, overrides=overrides)
+    assert needle in str(info.value)
+
+
+def test_bad_value_in_a_file_names_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text("[database]\nbusy_timeout_ms = \"soon\"\n")
+    with pytest.raises(ConfigError, match=r"database\.busy_timeout_ms.*c\.toml"):
+        _load(tmp_path, config_file=path)
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [("[log\nlevel=1", "not valid TOML"), ('level = "INFO"\n', "must be a [section] table")],
+)
+def test_malformed_files_are_clear_errors(tmp_path: Path, text: str, needle: str) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=needle.replace("[", r"\[")):
+        _load(tmp_path, config_file=path)
+
+
+def test_missing_config_file_is_an_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="does not exist"):
+        _load(tmp_path, environ={"SLURMFT_CONFIG": str(tmp_path / "nope.toml")})
+
+
+def test_default_database_is_sqlite_in_the_state_dir(tmp_path: Path) -> None:
+    config = _load(tmp_path, overrides=[f"paths.state_dir={tmp_path}/state"])
+    assert config.database_url == f"sqlite:///{tmp_path}/state/slurmft.db"
+
+
+def test_mountinfo_finds_the_longest_mount() -> None:
+    mounts = parse_mountinfo(MOUNTINFO)
+    assert ("/home/local disk", "ext4") in mounts
+    assert filesystem_type(Path("/home/alice/db.sqlite"), mounts) == "nfs4"
+    assert filesystem_type(Path("/home/local disk/db.sqlite"), mounts) == "ext4"
+    assert filesystem_type(Path("/scratch/x"), mounts) == "lustre"
+    assert filesystem_type(Path("/var/lib/slurmft/slurmft.db"), mounts) == "xfs"
+    assert filesystem_type(Path("/var/library"), mounts) == "ext4"
+
+
+@pytest.mark.parametrize("path", ["/home/alice/slurmft.db", "/scratch/run/slurmft.db"])
+def test_sqlite_on_a_network_filesystem_is_refused(path: str) -> None:
+    with pytest.raises(ConfigError, match=r"network filesystem.*local disk"):
+        check_sqlite_location(Path(path), MOUNTINFO)
+
+
+def test_sqlite_on_local_disk_is_accepted() -> None:
+    check_sqlite_location(Path("/var/lib/slurmft/slurmft.db"), MOUNTINFO)
