@@ -1,0 +1,1 @@
+"""Example training scripts that use slurmft.train (run with torchrun -m)."""

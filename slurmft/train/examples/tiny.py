@@ -1,0 +1,401 @@
+"""A tiny data-parallel training run that uses all of slurmft.train.
+
+    torchrun --standalone --nproc-per-node=3 -m slurmft.train.examples.tiny \
+        --ckpt-dir /shared/ckpt --out-dir /tmp/out --steps 20 --ckpt-every 5
+
+Synthetic deterministic regression data, an MLP with dropout (so RNG state matters), SGD with
+momentum and a warmup-then-linear LR schedule, gradients all-reduced by hand with the telemetry
+slots piggy-backed. Rank 0 appends one JSON line per step to `<out-dir>/losses.jsonl` (loss, LR,
+a fingerprint of the samples of the global batch) and events to `<out-dir>/events.jsonl`; at the
+end it writes `<out-dir>/final_weights.pt`. Flags inject faults for tests: a slow rank, a crash
+at a step, a kill in the middle of a save, a long save. `--work-ms` simulates per-step device
+compute with a sleep, so timing tests do not depend on CPU contention between ranks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from slurmft.errors import SlurmftError
+from slurmft.train import (
+    BatchPlan,
+    CheckpointManager,
+    DistInfo,
+    GlobalOrderSampler,
+    Heartbeat,
+    PeerGroups,
+    Phase,
+    ReportChannel,
+    SaveRequest,
+    StepTimer,
+    StragglerDetector,
+    TrainingContract,
+    all_reduce_with_telemetry,
+    check_resume,
+    exchange_telemetry,
+    exit_on_collective_error,
+    init_distributed,
+    install_stack_dump,
+    plan_batches,
+    restore_rng_state,
+)
+
+DATASET_SIZE = 600
+FEATURES = 16
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--ckpt-dir", required=True, help="shared directory; {rank} is substituted")
+    p.add_argument("--out-dir", required=True)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--ckpt-every", type=int, default=5)
+    p.add_argument("--keep-last", type=int, default=3)
+    p.add_argument("--global-batch", type=int, default=12)
+    p.add_argument("--max-micro-batch", type=int, default=4)
+    p.add_argument("--no-accumulation", action="store_true", help="naive: micro batch fixed")
+    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--dropout", type=float, default=0.1)
+    p.add_argument("--allow-global-batch-change", action="store_true")
+    p.add_argument("--allow-lr-schedule-change", action="store_true")
+    p.add_argument("--telemetry", choices=["piggyback", "gather"], default="piggyback")
+    p.add_argument("--telemetry-every", type=int, default=5, help="steps between gathers")
+    p.add_argument("--straggler-window", type=int, default=10)
+    p.add_argument("--pg-timeout-s", type=float, default=60.0)
+    p.add_argument("--heartbeat-interval-s", type=float, default=5.0)
+    p.add_argument("--step-deadline-s", type=float, default=300.0)
+    p.add_argument("--work-ms", type=float, default=0.0, help="simulated compute per step")
+    p.add_argument("--slow-rank", type=int, default=-1)
+    p.add_argument("--slow-factor", type=float, default=0.3)
+    p.add_argument("--slow-save-s", type=float, default=0.0, help="extra seconds per save")
+    p.add_argument("--crash-at-step", default="", help="STEP[@ATTEMPT]: SIGKILL --fault-rank")
+    p.add_argument("--kill-during-save", default="", help="STEP[@ATTEMPT]: SIGKILL mid-save")
+    p.add_argument("--fault-rank", type=int, default=1)
+    return p.parse_args(argv)
+
+
+def fault_due(spec: str, step: int, rank: int, fault_rank: int) -> bool:
+    """`STEP[@ATTEMPT]` matches this step on the fault rank in that torchrun attempt."""
+    if not spec or rank != fault_rank:
+        return False
+    at_step, _, attempt = spec.partition("@")
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    return int(at_step) == step and int(attempt or 0) == restart
+
+
+def kill_self() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+class Journal:
+    """Rank 0's per-step and event lines (other ranks write nothing)."""
+
+    def __init__(self, out_dir: Path, rank: int):
+        self.enabled = rank == 0
+        self.attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        out_dir.mkdir(parents=True, exist_ok=True)
+        self.losses = out_dir / "losses.jsonl"
+        self.events = out_dir / "events.jsonl"
+
+    def _append(self, path: Path, record: dict[str, Any]) -> None:
+        if self.enabled:
+            with path.open("a") as stream:
+                stream.write(json.dumps({"attempt": self.attempt, **record}) + "\n")
+
+    def step(self, record: dict[str, Any]) -> None:
+        self._append(self.losses, record)
+
+    def event(self, event: str, **fields: Any) -> None:
+        self._append(self.events, {"event": event, "time": time.time(), **fields})
+
+
+def synthetic_dataset(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(DATASET_SIZE, FEATURES, generator=generator)
+    w = torch.randn(FEATURES, 1, generator=generator)
+    return x, x @ w + 0.1 * torch.randn(DATASET_SIZE, 1, generator=generator)
+
+
+def build_model(seed: int, dropout: float) -> nn.Module:
+    torch.manual_seed(seed)  # the same initial weights on every rank
+    return nn.Sequential(nn.Linear(FEATURES, 32), nn.ReLU(), nn.Dropout(dropout), nn.Linear(32, 1))
+
+
+def lr_factor(step: int, warmup: int, total: int) -> float:
+    if step < warmup:
+        return (step + 1) / warmup
+    return max(0.0, (total - step) / max(1, total - warmup))
+
+
+def seed_rank(seed: int, rank: int, step: int) -> None:
+    """Per-rank RNG for a fresh start, or a new world size where old per-rank states don't map."""
+    value = seed * 1_000_003 + step * 1009 + rank + 1
+    random.seed(value)
+    np.random.seed(value % 2**32)
+    torch.manual_seed(value)
+
+
+def make_plan(args: argparse.Namespace, world_size: int) -> BatchPlan:
+    if args.no_accumulation:
+        micro = args.max_micro_batch
+        return BatchPlan(world_size * micro, world_size, micro, 1)
+    return plan_batches(args.global_batch, world_size, args.max_micro_batch)
+
+
+class TinyRun:
+    def __init__(self, args: argparse.Namespace, info: DistInfo, channel: ReportChannel):
+        self.args, self.info, self.channel = args, info, channel
+        self.rank, self.world = info.rank, info.world_size
+        self.journal = Journal(Path(args.out_dir), self.rank)
+        self.plan = make_plan(args, self.world)
+        self.x, self.y = synthetic_dataset(args.seed)
+        self.model = build_model(args.seed, args.dropout)
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=args.lr, momentum=0.9)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda s: lr_factor(s, args.warmup, args.steps)
+        )
+        self.sampler = GlobalOrderSampler(DATASET_SIZE, seed=args.seed)
+        self.contract = TrainingContract(
+            self.plan.global_batch,
+            {"kind": "warmup-linear", "lr": args.lr, "warmup": args.warmup, "total": args.steps},
+        )
+        self.timer = StepTimer(info.device)
+        self.detector = StragglerDetector(PeerGroups.uniform(self.world), args.straggler_window)
+        self.named: set[int] = set()
+        self.save_request = SaveRequest()
+        self.step = 0
+        root = args.ckpt_dir.replace("{rank}", str(self.rank))
+        self.checkpoints = CheckpointManager(
+            root, args.keep_last, channel, on_shards_written=self._maybe_kill_during_save
+        )
+
+    def _maybe_kill_during_save(self, step: int) -> None:
+        if fault_due(self.args.kill_during_save, step, self.rank, self.args.fault_rank):
+            kill_self()
+
+    def _state(self) -> dict[str, Any]:
+        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        return {"model": model_state, "optim": optim_state}
+
+    def resume(self) -> None:
+        self.checkpoints.check_shared_directory()
+        checkpoint = self.checkpoints.latest_verified()
+        if checkpoint is None:
+            seed_rank(self.args.seed, self.rank, 0)
+            self.journal.event("fresh_start", plan=vars_of(self.plan))
+            return
+        notes = check_resume(
+            checkpoint.resume["contract"],
+            self.contract,
+            checkpoint=str(checkpoint.path),
+            allow_global_batch_change=self.args.allow_global_batch_change,
+            allow_lr_schedule_change=self.args.allow_lr_schedule_change,
+        )
+        state = self._state()
+        rng = self.checkpoints.load(checkpoint, state)
+        set_state_dict(
+            self.model,
+            self.optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optim"],
+        )
+        resume = checkpoint.resume
+        self.scheduler.load_state_dict(resume["lr_scheduler"])
+        self.sampler.load_state_dict(resume["sampler"])
+        self.step = resume["global_step"]
+        if rng is not None:
+            restore_rng_state(rng)
+        else:
+            seed_rank(self.args.seed, self.rank, self.step)
+        self.journal.event(
+            "resumed",
+            step=self.step,
+            path=str(checkpoint.path),
+            world_size=self.world,
+            saved_world_size=checkpoint.manifest["world_size"],
+            rng_restored=rng is not None,
+            plan=vars_of(self.plan),
+            notes=notes,
+        )
+
+    def _resume_state(self) -> dict[str, Any]:
+        return {
+            "global_step": self.step,
+            "samples_consumed": self.sampler.consumed,
+            "sampler": self.sampler.state_dict(),
+            "lr_scheduler": self.scheduler.state_dict(),
+            "lr_scheduler_step": self.scheduler.last_epoch,
+            "lr": self.scheduler.get_last_lr()[0],
+            "contract": self.contract.to_json(),
+            "world_size": self.world,
+            "plan": vars_of(self.plan),
+        }
+
+    def save(self, reason: str, heartbeat: Heartbeat) -> None:
+        with heartbeat.phase(Phase.CHECKPOINT, self.step):
+            time.sleep(self.args.slow_save_s)
+            path = self.checkpoints.save(self.step, self._state(), self._resume_state())
+        self.save_request.clear()
+        self.journal.event("saved", step=self.step, reason=reason, path=str(path))
+
+    def _forward_backward(self) -> tuple[float, list[int]]:
+        loss_sum, seen = 0.0, []
+        for indices in self.sampler.rank_micro_batches(self.plan, self.rank):
+            out = self.model(self.x[indices])
+            loss = ((out - self.y[indices]) ** 2).sum()
+            (loss / self.plan.global_batch).backward()  # grads of the global-batch mean
+            loss_sum += loss.item()
+            seen.extend(indices)
+        work_s = self.args.work_ms / 1000.0
+        if self.rank == self.args.slow_rank:
+            work_s *= 1.0 + self.args.slow_factor
+        time.sleep(work_s)
+        return loss_sum, seen
+
+    def _reduce(self, flat: torch.Tensor) -> tuple[torch.Tensor, list[float] | None, bool]:
+        pending = self.save_request.pending()
+        compute = self.timer.current_compute_s()
+        if self.args.telemetry == "piggyback":
+            flat, exchange = all_reduce_with_telemetry(flat, compute, pending)
+            return flat, exchange.compute_s, exchange.save_requested
+        dist.all_reduce(flat)
+        if (self.step + 1) % self.args.telemetry_every:
+            return flat, None, False
+        exchange = exchange_telemetry(compute, pending, device=self.info.device)
+        return flat, exchange.compute_s, exchange.save_requested
+
+    def train_step(self) -> tuple[list[float] | None, bool]:
+        self.timer.start_step(self.step + 1)
+        params = list(self.model.parameters())
+        with self.timer.compute():
+            self.optimizer.zero_grad(set_to_none=False)
+            loss_sum, seen = self._forward_backward()
+            flat = torch.cat([p.grad.reshape(-1) for p in params])
+        with self.timer.wait():
+            flat, compute_times, save_requested = self._reduce(flat)
+            stats = torch.tensor(
+                [loss_sum, float(sum(seen)), float(sum(i * i for i in seen)), float(len(seen))],
+                dtype=torch.float64,
+            )
+            dist.all_reduce(stats)  # the example's own check that no sample is replayed/skipped
+        with self.timer.compute():
+            offset = 0
+            for p in params:
+                p.grad.copy_(flat[offset : offset + p.numel()].view_as(p))
+                offset += p.numel()
+            lr = self.scheduler.get_last_lr()[0]
+            self.optimizer.step()
+            self.scheduler.step()
+        self.sampler.advance(self.plan)
+        self.step += 1
+        timing = self.timer.end_step()
+        self.journal.step(
+            {
+                "step": self.step,
+                "loss": stats[0].item() / self.plan.global_batch,
+                "lr": lr,
+                "samples": [int(v) for v in stats[1:].tolist()],
+                "world_size": self.world,
+                "accumulation": self.plan.accumulation_steps,
+                "micro_batch": self.plan.micro_batch,
+            }
+        )
+        if timing is not None:
+            self.channel.send(
+                "step",
+                step=self.step,
+                compute_s=timing.compute_s,
+                wait_s=timing.wait_s,
+                total_s=timing.total_s,
+            )
+        return compute_times, save_requested
+
+    def observe_stragglers(self, compute_times: list[float]) -> None:
+        stragglers = self.detector.observe(compute_times)
+        ranks = {s.rank for s in stragglers}
+        if ranks != self.named and self.rank == 0:
+            for s in stragglers:
+                self.channel.send(
+                    "straggler",
+                    step=self.step,
+                    straggler_rank=s.rank,
+                    group=s.group,
+                    ratio=s.ratio,
+                    window=s.window,
+                )
+            self.journal.event(
+                "stragglers",
+                step=self.step,
+                ranks=[{"rank": s.rank, "ratio": s.ratio} for s in stragglers],
+                compute_s=compute_times,
+            )
+        self.named = ranks
+
+    def run(self, heartbeat: Heartbeat) -> None:
+        with heartbeat.phase(Phase.INIT):
+            self.resume()
+        heartbeat.enter(Phase.STEP, self.step)
+        while self.step < self.args.steps:
+            compute_times, save_requested = self.train_step()
+            heartbeat.progress(self.step)
+            if compute_times is not None:
+                self.observe_stragglers(compute_times)
+            if fault_due(self.args.crash_at_step, self.step, self.rank, self.args.fault_rank):
+                kill_self()
+            if save_requested:
+                self.save("requested", heartbeat)
+            elif self.step % self.args.ckpt_every == 0 or self.step == self.args.steps:
+                self.save("interval", heartbeat)
+        if self.rank == 0:
+            torch.save(self.model.state_dict(), Path(self.args.out_dir) / "final_weights.pt")
+        self.journal.event("done", step=self.step)
+
+
+def vars_of(plan: BatchPlan) -> dict[str, int]:
+    return {
+        "global_batch": plan.global_batch,
+        "world_size": plan.world_size,
+        "micro_batch": plan.micro_batch,
+        "accumulation_steps": plan.accumulation_steps,
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    info = init_distributed(timeout_s=args.pg_timeout_s)
+    install_stack_dump(info.rank)
+    channel = ReportChannel()
+    heartbeat = Heartbeat(
+        channel, args.heartbeat_interval_s, {Phase.STEP: args.step_deadline_s}
+    ).start()
+    try:
+        with exit_on_collective_error(channel):
+            TinyRun(args, info, channel).run(heartbeat)
+            dist.barrier()
+    except SlurmftError as error:
+        # Every rank reaches the same verdict (the checks are collective or deterministic).
+        print(f"slurmft: rank {info.rank}: {error}", file=sys.stderr, flush=True)
+        sys.exit(error.exit_code)
+    finally:
+        heartbeat.stop()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,125 @@
+"""The rank side of the report channel to the node agent.
+
+A rank sends JSON datagrams to a unix datagram socket whose path the agent puts in
+`SLURMFT_AGENT_SOCKET`. Sending never blocks and never raises: when the agent is absent, slow or
+its receive buffer is full, the message is dropped and counted (the next heartbeat supersedes it
+anyway). A step must never wait on telemetry. The schema is documented in docs/train.md.
+
+This module does not import torch: the agent may import it to share the schema constants.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import socket
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+SCHEMA_VERSION = 1
+SOCKET_ENV = "SLURMFT_AGENT_SOCKET"
+# A unix datagram larger than the socket's send buffer fails with EMSGSIZE; staying well under the
+# Linux default (212992 bytes) keeps every message deliverable. Larger messages are dropped.
+MAX_MESSAGE_BYTES = 64 * 1024
+
+# errnos that mean "no agent listening" or "agent not keeping up": drop, never raise.
+_DROP_ERRNOS = {
+    errno.EAGAIN,
+    errno.EWOULDBLOCK,
+    errno.ENOENT,
+    errno.ECONNREFUSED,
+    errno.ENOTCONN,
+    errno.ENOBUFS,
+    errno.EMSGSIZE,
+    errno.EPIPE,
+    errno.EACCES,
+}
+
+
+@dataclass
+class ChannelStats:
+    """Counters a script may log at exit; `dropped` > 0 with an agent present means it lags."""
+
+    sent: int = 0
+    dropped: int = 0
+    drop_reasons: dict[str, int] = field(default_factory=dict)
+
+    def drop(self, reason: str) -> None:
+        self.dropped += 1
+        self.drop_reasons[reason] = self.drop_reasons.get(reason, 0) + 1
+
+
+def rank_identity() -> dict[str, Any]:
+    """The fields torchrun sets that identify this process; every message carries them."""
+    env = os.environ
+    return {
+        "rank": int(env.get("RANK", "0")),
+        "local_rank": int(env.get("LOCAL_RANK", "0")),
+        "world_size": int(env.get("WORLD_SIZE", "1")),
+        "run_id": env.get("TORCHELASTIC_RUN_ID", ""),
+        "restart_count": int(env.get("TORCHELASTIC_RESTART_COUNT", "0")),
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+    }
+
+
+class ReportChannel:
+    """Non-blocking, lossy sender of JSON messages to the node agent.
+
+    `send(kind, **fields)` adds the envelope (`v`, `kind`, `time`, identity) and returns True if
+    the datagram was handed to the kernel. Thread-safe enough for the heartbeat thread and the
+    training loop to share: each `sendto` is one system call on a socket no one reads from.
+    """
+
+    def __init__(self, socket_path: str | None = None, identity: dict[str, Any] | None = None):
+        self.socket_path = socket_path if socket_path is not None else os.environ.get(SOCKET_ENV)
+        self.identity = identity if identity is not None else rank_identity()
+        self.stats = ChannelStats()
+        self._sock: socket.socket | None = None
+        if self.socket_path:
+            self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+            self._sock.setblocking(False)
+
+    @property
+    def enabled(self) -> bool:
+        return self._sock is not None
+
+    def encode(self, kind: str, fields: dict[str, Any]) -> bytes:
+        message = {"v": SCHEMA_VERSION, "kind": kind, "time": time.time(), **self.identity}
+        message.update(fields)
+        return json.dumps(message, separators=(",", ":")).encode()
+
+    def send(self, kind: str, **fields: Any) -> bool:
+        if self._sock is None:
+            # No agent configured: the cheapest path, taken by plain torchrun runs.
+            self.stats.drop("no_socket")
+            return False
+        payload = self.encode(kind, fields)
+        if len(payload) > MAX_MESSAGE_BYTES:
+            self.stats.drop("too_large")
+            return False
+        try:
+            self._sock.sendto(payload, self.socket_path)
+        except OSError as error:
+            if error.errno in _DROP_ERRNOS:
+                self.stats.drop(errno.errorcode.get(error.errno or 0, "oserror"))
+                return False
+            self.stats.drop("oserror")
+            return False
+        self.stats.sent += 1
+        return True
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+
+def decode(payload: bytes) -> dict[str, Any]:
+    """Parse one datagram (the agent's side); raises ValueError on a foreign schema version."""
+    message = json.loads(payload)
+    if not isinstance(message, dict) or message.get("v") != SCHEMA_VERSION:
+        raise ValueError(f"unsupported report message: {payload[:80]!r}")
+    return message
