@@ -8,10 +8,10 @@ per (run, rank, step) through the caller's sequence numbers (the daemon drops a 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any, TypeVar
+from typing import Any
 
 from sqlalchemy import Insert, insert, select
 from sqlalchemy.dialects import postgresql, sqlite
@@ -19,8 +19,9 @@ from sqlalchemy.orm import Session
 
 from slurmft.db.models import RankHeartbeat, RankHeartbeatSample, StepTime, utcnow
 
-# SQLite allows 32,766 bound parameters per statement; 9 columns x 2,000 rows stays well inside.
-UPSERT_CHUNK = 2000
+_HEARTBEAT_UPDATED = (
+    "attempt_id", "node", "phase", "step", "seq", "sent_at", "received_at", "sampled_at",
+)
 
 
 @dataclass(frozen=True)
@@ -50,14 +51,6 @@ def _dialect_insert(session: Session, table: Any) -> Insert:
     if name == "postgresql":
         return postgresql.insert(table)
     raise NotImplementedError(f"no upsert for dialect {name}")
-
-
-T = TypeVar("T")
-
-
-def _chunks(items: Sequence[T], size: int) -> Iterable[Sequence[T]]:
-    for start in range(0, len(items), size):
-        yield items[start : start + size]
 
 
 def record_heartbeats(
@@ -95,7 +88,7 @@ def record_heartbeats(
     sampled_ranks = {hb.rank for hb in samples}
     if samples:
         session.execute(
-            insert(RankHeartbeatSample),
+            insert(RankHeartbeatSample.__table__),
             [
                 {
                     "run_id": run_id,
@@ -124,29 +117,15 @@ def record_heartbeats(
         for hb in newest.values()
     ]
     table = RankHeartbeat.__table__
-    for chunk in _chunks(rows, UPSERT_CHUNK):
-        stmt = _dialect_insert(session, table).values(list(chunk))
-        excluded = stmt.excluded
-        session.execute(
-            stmt.on_conflict_do_update(
-                index_elements=[table.c.run_id, table.c.rank],
-                set_={
-                    col: excluded[col]
-                    for col in (
-                        "attempt_id",
-                        "node",
-                        "phase",
-                        "step",
-                        "seq",
-                        "sent_at",
-                        "received_at",
-                        "sampled_at",
-                    )
-                },
-                # Resent or reordered batches never move a rank's heartbeat backwards.
-                where=excluded.seq > table.c.seq,
-            )
-        )
+    stmt = _dialect_insert(session, table)
+    excluded = stmt.excluded
+    upsert = stmt.on_conflict_do_update(
+        index_elements=[table.c.run_id, table.c.rank],
+        set_={col: excluded[col] for col in _HEARTBEAT_UPDATED},
+        # Resent or reordered batches never move a rank's heartbeat backwards.
+        where=excluded.seq > table.c.seq,
+    )
+    session.execute(upsert, rows)  # one cached statement, executemany
     return len(samples)
 
 
@@ -160,7 +139,7 @@ def record_step_times(
     if not step_times:
         return 0
     session.execute(
-        insert(StepTime),
+        insert(StepTime.__table__),
         [
             {
                 "run_id": run_id,
