@@ -7,6 +7,7 @@ from typing import Annotated
 import typer
 
 from slurmft.cli.context import echo_json, state
+from slurmft.config import reference_markdown
 from slurmft.db.database import normalize_url
 
 app = typer.Typer(help="Inspect the effective configuration.", no_args_is_help=True)
@@ -33,3 +34,9 @@ def show(
     typer.echo("")
     for key, value in resolved.items():
         typer.echo(f"{key:<{width}}  {value}")
+
+
+@app.command("reference")
+def reference() -> None:
+    """Print the reference of every setting as Markdown (the source of docs/config.md)."""
+    typer.echo(reference_markdown(), nl=False)

@@ -133,3 +133,14 @@ def test_sqlite_on_a_network_filesystem_is_refused(path: str) -> None:
 
 def test_sqlite_on_local_disk_is_accepted() -> None:
     check_sqlite_location(Path("/var/lib/slurmft/slurmft.db"), MOUNTINFO)
+
+
+def test_docs_config_reference_is_generated_from_the_settings() -> None:
+    from slurmft.config import reference_markdown
+
+    docs = Path(__file__).resolve().parents[2] / "docs" / "config.md"
+    assert docs.read_text() == reference_markdown(), (
+        "docs/config.md is stale: run `slurmft config reference > docs/config.md`"
+    )
+    for setting in SETTINGS:
+        assert f"`{setting.env_var}`" in docs.read_text()
