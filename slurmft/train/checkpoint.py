@@ -62,6 +62,7 @@ class VerifiedCheckpoint:
     step: int
     path: Path
     manifest: dict[str, Any]
+    skipped: tuple[str, ...] = ()  # newer checkpoints that failed verification, and why
 
     @property
     def resume(self) -> dict[str, Any]:
@@ -110,13 +111,18 @@ class CheckpointManager:
             self.channel.send("event", event=event, **fields)
 
     # -- start: the directory must be shared -------------------------------------------------
-    def check_shared_directory(self, settle_s: float = 5.0) -> None:
-        """Rank 0 writes a nonce file; every rank must read it back. Collective."""
+    def check_shared_directory(self, settle_s: float = 5.0) -> list[str]:
+        """Rank 0 writes a nonce file; every rank must read it back. Collective.
+
+        Also removes staging directories of saves that never completed; returns their names
+        (on rank 0) so the script can log them.
+        """
+        removed: list[str] = []
         nonce = _broadcast(secrets.token_hex(16))  # rank 0's nonce, known to every rank
         marker = self.root / f".slurmft-shared-check-{nonce}"
         if self.rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
-            self._remove_stale_staging()
+            removed = self._remove_stale_staging()
             write_json_durably(marker, {"nonce": nonce, "host": socket.gethostname()})
         dist.barrier()
         seen = self._wait_for_marker(marker, nonce, settle_s)
@@ -132,6 +138,7 @@ class CheckpointManager:
                 f"directory on a shared file system that shows the same files on every node; a "
                 f"node-local path would make a restart on another node lose the checkpoints."
             )
+        return removed
 
     def _wait_for_marker(self, marker: Path, nonce: str, settle_s: float) -> bool:
         # Shared file systems may show a new file on other nodes a moment later.
@@ -146,9 +153,12 @@ class CheckpointManager:
                 return False
             time.sleep(0.2)
 
-    def _remove_stale_staging(self) -> None:
-        for entry in self.root.glob(".staging-step-*"):
-            shutil.rmtree(entry, ignore_errors=True)
+    def _remove_stale_staging(self) -> list[str]:
+        # Called at start only, when no save of this run can be in progress.
+        removed = sorted(entry.name for entry in self.root.glob(".staging-step-*"))
+        for name in removed:
+            shutil.rmtree(self.root / name, ignore_errors=True)
+        return removed
 
     # -- save ------------------------------------------------------------------------------
     def save(self, step: int, state: dict[str, Any], resume: dict[str, Any]) -> Path:
@@ -211,7 +221,7 @@ class CheckpointManager:
             manifest, problems = self._verify_own_part(path)
             everyone = [p for per_rank in _all_gather(problems) for p in per_rank]
             if not everyone and manifest is not None:
-                return VerifiedCheckpoint(manifest["step"], path, manifest)
+                return VerifiedCheckpoint(manifest["step"], path, manifest, tuple(problems_seen))
             problems_seen.append(f"{name}: {'; '.join(everyone[:3])}")
             self._report("checkpoint_invalid", path=str(path), problems=everyone[:10])
         if names:

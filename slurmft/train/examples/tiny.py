@@ -83,6 +83,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--work-ms", type=float, default=0.0, help="simulated compute per step")
     p.add_argument("--slow-rank", type=int, default=-1)
     p.add_argument("--slow-factor", type=float, default=0.3)
+    p.add_argument("--slow-from-step", type=int, default=0)
     p.add_argument("--slow-save-s", type=float, default=0.0, help="extra seconds per save")
     p.add_argument("--crash-at-step", default="", help="STEP[@ATTEMPT]: SIGKILL --fault-rank")
     p.add_argument("--kill-during-save", default="", help="STEP[@ATTEMPT]: SIGKILL mid-save")
@@ -194,7 +195,9 @@ class TinyRun:
         return {"model": model_state, "optim": optim_state}
 
     def resume(self) -> None:
-        self.checkpoints.check_shared_directory()
+        removed = self.checkpoints.check_shared_directory()
+        if removed:
+            self.journal.event("removed_unpublished", names=removed)
         checkpoint = self.checkpoints.latest_verified()
         if checkpoint is None:
             seed_rank(self.args.seed, self.rank, 0)
@@ -263,7 +266,7 @@ class TinyRun:
             loss_sum += loss.item()
             seen.extend(indices)
         work_s = self.args.work_ms / 1000.0
-        if self.rank == self.args.slow_rank:
+        if self.rank == self.args.slow_rank and self.step >= self.args.slow_from_step:
             work_s *= 1.0 + self.args.slow_factor
         time.sleep(work_s)
         return loss_sum, seen
