@@ -1,0 +1,61 @@
+from __future__ import annotations
+
+import pytest
+
+from slurmft.train.batching import plan_batches
+from slurmft.train.resume import ResumeRefused
+from slurmft.train.sampler import GlobalOrderSampler
+
+# The sampler uses numpy, which comes with the train extra.
+pytestmark = pytest.mark.torch
+
+
+def consume(sampler: GlobalOrderSampler, world: int, max_micro: int, steps: int) -> list[list[int]]:
+    """Per step, the sorted union of what every rank reads."""
+    plan = plan_batches(12, world, max_micro)
+    steps_seen = []
+    for _ in range(steps):
+        union = [i for r in range(world) for mb in sampler.rank_micro_batches(plan, r) for i in mb]
+        steps_seen.append(sorted(union))
+        sampler.advance(plan)
+    return steps_seen
+
+
+def test_the_global_batches_do_not_depend_on_the_world_size() -> None:
+    three = consume(GlobalOrderSampler(50, seed=7), world=3, max_micro=4, steps=9)
+    two = consume(GlobalOrderSampler(50, seed=7), world=2, max_micro=4, steps=9)
+    four = consume(GlobalOrderSampler(50, seed=7), world=4, max_micro=1, steps=9)
+    assert three == two == four
+
+
+def test_ranks_read_disjoint_samples_that_cover_the_global_batch() -> None:
+    sampler = GlobalOrderSampler(1000, seed=3)
+    plan = plan_batches(24, 3, 4)  # micro 4, accumulation 2
+    per_rank = [sum(sampler.rank_micro_batches(plan, r), []) for r in range(3)]
+    flat = [i for part in per_rank for i in part]
+    assert len(flat) == len(set(flat)) == 24
+    assert sorted(flat) == sorted(sampler.global_batch(plan))
+
+
+def test_a_resume_continues_at_the_exact_sample_even_at_another_world_size() -> None:
+    uninterrupted = consume(GlobalOrderSampler(50, seed=1), world=3, max_micro=4, steps=10)
+    first = GlobalOrderSampler(50, seed=1)
+    before = consume(first, world=3, max_micro=4, steps=4)
+    resumed = GlobalOrderSampler(50, seed=1)
+    resumed.load_state_dict(first.state_dict())
+    after = consume(resumed, world=2, max_micro=3, steps=6)
+    assert before + after == uninterrupted
+
+
+def test_epochs_wrap_with_a_new_permutation_and_every_sample_once_per_epoch() -> None:
+    sampler = GlobalOrderSampler(10, seed=5)
+    first, second = sampler.indices(0, 10), sampler.indices(10, 10)
+    assert sorted(first) == sorted(second) == list(range(10))
+    assert first != second
+    assert sampler.indices(8, 4) == first[8:] + second[:2]
+
+
+def test_a_different_sample_order_is_refused() -> None:
+    saved = GlobalOrderSampler(50, seed=1, consumed=24).state_dict()
+    with pytest.raises(ResumeRefused, match="replay or skip"):
+        GlobalOrderSampler(50, seed=2).load_state_dict(saved)
