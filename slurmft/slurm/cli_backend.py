@@ -1,0 +1,110 @@
+"""The SlurmClient that drives Slurm through its command-line tools.
+
+Every call is build argv (commands.py, pure) -> run (the one Runner seam) -> parse (parse.py,
+pure). A failed command becomes a typed SlurmError (failures.py); in particular a slurmctld that
+does not answer raises SlurmUnreachable and is never reported as a missing or failed job.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from slurmft.slurm import commands, parse
+from slurmft.slurm.api import (
+    JobInfo,
+    NodeInfo,
+    SignalTarget,
+    SlurmBadRequest,
+    SlurmJobNotFound,
+    SubmitRequest,
+)
+from slurmft.slurm.failures import classify_failure
+from slurmft.slurm.runner import DEFAULT_TIMEOUT_S, CommandResult, Runner, SubprocessRunner
+from slurmft.slurm.version import SlurmVersion, parse_version
+
+
+class CliSlurmClient:
+    """SlurmClient over sbatch/squeue/sinfo/scontrol/scancel."""
+
+    def __init__(
+        self,
+        runner: Runner | None = None,
+        *,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        slurm_conf: str | None = None,
+    ) -> None:
+        env = {"SLURM_CONF": slurm_conf} if slurm_conf else None
+        self._runner = runner or SubprocessRunner(env)
+        self._timeout_s = timeout_s
+        self._version: SlurmVersion | None = None
+
+    def _run(self, argv: list[str], *, stdin: str | None = None) -> CommandResult:
+        result = self._runner.run(argv, self._timeout_s, stdin=stdin)
+        if not result.ok:
+            raise classify_failure(result)
+        return result
+
+    # --- queries ---------------------------------------------------------------------------------
+
+    def version(self) -> SlurmVersion:
+        if self._version is None:
+            self._version = parse_version(self._run(commands.version_argv()).stdout)
+        return self._version
+
+    def jobs(self, job_ids: Sequence[str]) -> dict[str, JobInfo]:
+        if not job_ids:
+            return {}
+        try:
+            result = self._run(commands.squeue_argv(job_ids))
+        except SlurmJobNotFound:
+            # squeue -j with a single unknown id exits 1; with several it prints what it knows.
+            return {}
+        return parse.parse_squeue(result.stdout)
+
+    def job(self, job_id: str) -> JobInfo:
+        records = parse.parse_scontrol_records(self._run(commands.show_job_argv(job_id)).stdout)
+        if not records:
+            raise SlurmJobNotFound(f"scontrol printed nothing for job {job_id}")
+        return parse.job_from_scontrol(records[0])
+
+    def nodes(self, names: Sequence[str] = ()) -> dict[str, NodeInfo]:
+        return parse.parse_sinfo_nodes(self._run(commands.sinfo_nodes_argv(names)).stdout)
+
+    def node(self, name: str) -> NodeInfo:
+        records = parse.parse_scontrol_records(self._run(commands.show_node_argv(name)).stdout)
+        if not records:
+            raise SlurmBadRequest(f"scontrol printed nothing for node {name}")
+        return parse.node_from_scontrol(records[0])
+
+    def batch_host_down(self, job_id: str) -> bool:
+        job = self.job(job_id)
+        if not job.holds_nodes_now or not job.batch_host:
+            return False
+        return self.node(job.batch_host).status.lost
+
+    # --- actions ---------------------------------------------------------------------------------
+
+    def submit(self, request: SubmitRequest) -> str:
+        result = self._run(commands.submit_argv(request), stdin=request.script)
+        return parse.parse_sbatch_parsable(result.stdout)
+
+    def drain(self, node: str, reason: str) -> None:
+        self._run(commands.drain_argv(node, reason))
+
+    def resume(self, node: str) -> None:
+        self._run(commands.resume_argv(node))
+
+    def down(self, node: str, reason: str) -> None:
+        self._run(commands.down_argv(node, reason))
+
+    def requeue(self, job_id: str) -> None:
+        self._run(commands.requeue_argv(job_id))
+
+    def set_excluded_nodes(self, job_id: str, nodes: Sequence[str]) -> None:
+        self._run(commands.set_excluded_nodes_argv(job_id, nodes))
+
+    def cancel(self, job_id: str) -> None:
+        self._run(commands.cancel_argv(job_id))
+
+    def signal(self, job_id: str, signal: str, target: SignalTarget) -> None:
+        self._run(commands.signal_argv(job_id, signal, target))

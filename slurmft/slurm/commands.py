@@ -1,0 +1,138 @@
+"""Pure argv builders: what slurmft asks each Slurm command. No I/O here.
+
+Formats are the stable pipe-separated ones (`squeue -o`, `sinfo -N -o`) and `scontrol -o`, read by
+parse.py. The free-text field of each format goes last, so a `|` inside it cannot shift the
+fields before it.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+from slurmft.slurm import script
+from slurmft.slurm.api import SignalTarget, SlurmBadRequest, SubmitRequest
+from slurmft.slurm.hostlist import compress
+
+# squeue: job id, state (long), reason, nodes, batch host, comment, name (free text: last).
+SQUEUE_FIELDS = ("job_id", "state", "reason", "nodes", "batch_host", "comment", "name")
+SQUEUE_FORMAT = "%i|%T|%r|%N|%B|%k|%j"
+# sinfo -N: node, state (long, with suffix characters), reason user, reason time, reason (last).
+SINFO_FIELDS = ("name", "state", "reason_user", "reason_time", "reason")
+SINFO_FORMAT = "%N|%T|%u|%H|%E"
+
+_JOB_ID = re.compile(r"^\d+([_+]\d+)?$")
+
+
+def check_job_id(job_id: str) -> str:
+    if not _JOB_ID.match(job_id):
+        raise SlurmBadRequest(f"not a Slurm job id: {job_id!r}")
+    return job_id
+
+
+def version_argv() -> list[str]:
+    return ["sinfo", "--version"]
+
+
+def submit_argv(request: SubmitRequest) -> list[str]:
+    """sbatch reads the script from stdin; every option is one argv word (no shell)."""
+    if request.nodes < 1 or request.spare_nodes < 0:
+        raise SlurmBadRequest(
+            f"need nodes >= 1 and spares >= 0, got {request.nodes}+{request.spare_nodes}"
+        )
+    argv = [
+        "sbatch",
+        "--parsable",
+        f"--job-name={script.check_job_name(request.job_name)}",
+        f"--comment={script.comment_for_run(request.run_id)}",
+        f"--nodes={request.total_nodes}",
+        "--requeue" if request.requeue else "--no-requeue",
+    ]
+    if request.no_kill:
+        argv.append("--no-kill")
+    if request.exclude:
+        nodes = [script.check_node_name(node) for node in request.exclude]
+        argv.append(f"--exclude={compress(nodes)}")
+    if request.signal:
+        argv.append(f"--signal={script.check_signal_spec(request.signal)}")
+    if request.time_limit:
+        argv.append(f"--time={script.check_time_limit(request.time_limit)}")
+    if request.partition:
+        argv.append(f"--partition={script.check_partition(request.partition)}")
+    if request.ntasks_per_node:
+        argv.append(f"--ntasks-per-node={int(request.ntasks_per_node)}")
+    if request.cpus_per_task:
+        argv.append(f"--cpus-per-task={int(request.cpus_per_task)}")
+    if request.output:
+        argv.append(f"--output={script.check_path(request.output)}")
+    if request.workdir:
+        argv.append(f"--chdir={script.check_path(request.workdir)}")
+    return argv
+
+
+def squeue_argv(job_ids: Sequence[str]) -> list[str]:
+    """All the jobs in one call: polling per job multiplies the load on slurmctld."""
+    ids = ",".join(check_job_id(job_id) for job_id in job_ids)
+    return ["squeue", "--noheader", "--states=all", f"--jobs={ids}", f"--format={SQUEUE_FORMAT}"]
+
+
+def show_job_argv(job_id: str) -> list[str]:
+    return ["scontrol", "--oneliner", "show", "job", check_job_id(job_id)]
+
+
+def sinfo_nodes_argv(names: Sequence[str] = ()) -> list[str]:
+    argv = ["sinfo", "--noheader", "--Node", f"--format={SINFO_FORMAT}"]
+    if names:
+        argv.append(f"--nodes={compress(script.check_node_name(name) for name in names)}")
+    return argv
+
+
+def show_node_argv(name: str) -> list[str]:
+    return ["scontrol", "--oneliner", "show", "node", script.check_node_name(name)]
+
+
+def drain_argv(node: str, reason: str) -> list[str]:
+    return _update_node(node, "DRAIN", reason)
+
+
+def down_argv(node: str, reason: str) -> list[str]:
+    return _update_node(node, "DOWN", reason)
+
+
+def resume_argv(node: str) -> list[str]:
+    return ["scontrol", "update", f"NodeName={script.check_node_name(node)}", "State=RESUME"]
+
+
+def _update_node(node: str, state: str, reason: str) -> list[str]:
+    return [
+        "scontrol",
+        "update",
+        f"NodeName={script.check_node_name(node)}",
+        f"State={state}",
+        f"Reason={script.check_reason(reason)}",
+    ]
+
+
+def requeue_argv(job_id: str) -> list[str]:
+    return ["scontrol", "requeue", check_job_id(job_id)]
+
+
+def set_excluded_nodes_argv(job_id: str, nodes: Sequence[str]) -> list[str]:
+    """An empty list clears the excluded nodes."""
+    hostlist = compress(script.check_node_name(node) for node in nodes) if nodes else ""
+    return ["scontrol", "update", f"JobId={check_job_id(job_id)}", f"ExcNodeList={hostlist}"]
+
+
+def cancel_argv(job_id: str) -> list[str]:
+    return ["scancel", check_job_id(job_id)]
+
+
+def signal_argv(job_id: str, signal: str, target: SignalTarget) -> list[str]:
+    # Measured on 22.05: --signal alone reaches the steps only; --batch the batch shell only.
+    where = {SignalTarget.STEPS: [], SignalTarget.BATCH: ["--batch"], SignalTarget.ALL: ["--full"]}
+    return [
+        "scancel",
+        f"--signal={script.check_signal_name(signal)}",
+        *where[target],
+        check_job_id(job_id),
+    ]
