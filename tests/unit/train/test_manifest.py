@@ -49,7 +49,8 @@ def test_a_flipped_byte_in_a_shard_is_found(tmp_path: Path) -> None:
     shard.write_bytes(bytes(data))
     manifest = read_manifest(directory)
     assert verify_files(directory, manifest, ["__0_0.distcp"]) == []
-    assert verify_files(directory, manifest, ["__1_0.distcp"]) == ["__1_0.distcp: checksum mismatch"]
+    problems = verify_files(directory, manifest, ["__1_0.distcp"])
+    assert problems == ["__1_0.distcp: checksum mismatch"]
 
 
 def test_a_truncated_or_missing_shard_is_found(tmp_path: Path) -> None:
@@ -71,7 +72,7 @@ def test_an_edited_or_missing_manifest_is_invalid(tmp_path: Path) -> None:
     with pytest.raises(CheckpointInvalid, match="unreadable"):
         read_manifest(directory)
     (directory / MANIFEST_NAME).unlink()
-    with pytest.raises(CheckpointInvalid, match="no manifest.json"):
+    with pytest.raises(CheckpointInvalid, match=r"no manifest\.json"):
         read_manifest(directory)
 
 

@@ -31,8 +31,7 @@ def test_the_global_batches_do_not_depend_on_the_world_size() -> None:
 def test_ranks_read_disjoint_samples_that_cover_the_global_batch() -> None:
     sampler = GlobalOrderSampler(1000, seed=3)
     plan = plan_batches(24, 3, 4)  # micro 4, accumulation 2
-    per_rank = [sum(sampler.rank_micro_batches(plan, r), []) for r in range(3)]
-    flat = [i for part in per_rank for i in part]
+    flat = [i for r in range(3) for batch in sampler.rank_micro_batches(plan, r) for i in batch]
     assert len(flat) == len(set(flat)) == 24
     assert sorted(flat) == sorted(sampler.global_batch(plan))
 
