@@ -235,6 +235,7 @@ class TinyRun:
             rng_restored=rng is not None,
             plan=vars_of(self.plan),
             notes=notes,
+            skipped=list(checkpoint.skipped),
         )
 
     def _resume_state(self) -> dict[str, Any]:
