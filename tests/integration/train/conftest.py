@@ -1,4 +1,4 @@
-"""Runs of the example training script under torchrun (gloo, CPU), shared by the train tests.
+"""Runs of the example training script shared by the train tests.
 
 Each run takes a few seconds (three processes importing torch on two cores), so runs are
 session fixtures reused by several assertions where that is honest.
@@ -6,122 +6,16 @@ session fixtures reused by several assertions where that is honest.
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
-import subprocess
 import sys
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-TORCHRUN = str(Path(sys.executable).parent / "torchrun")
-RUN_TIMEOUT_S = 240
+# The test modules here import the run helpers; this directory is not a package (no
+# __init__.py anywhere under tests/), so it is put on the path once, here.
+sys.path.insert(0, str(Path(__file__).parent))
 
-
-@dataclass
-class TinyRun:
-    workdir: Path
-    returncode: int
-    output: str
-
-    @property
-    def ckpt_dir(self) -> Path:
-        return self.workdir / "ckpt"
-
-    @property
-    def out_dir(self) -> Path:
-        return self.workdir / "out"
-
-    def records(self) -> list[dict[str, Any]]:
-        path = self.out_dir / "losses.jsonl"
-        return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-    def steps(self) -> dict[int, dict[str, Any]]:
-        """The last record of every step (a resumed run repeats the steps after its checkpoint)."""
-        return {record["step"]: record for record in self.records()}
-
-    def events(self, name: str | None = None) -> list[dict[str, Any]]:
-        path = self.out_dir / "events.jsonl"
-        if not path.exists():
-            return []
-        found = [json.loads(line) for line in path.read_text().splitlines()]
-        return [e for e in found if name is None or e["event"] == name]
-
-    def final_weights(self) -> dict[str, Any]:
-        import torch
-
-        return torch.load(self.out_dir / "final_weights.pt")
-
-
-def torchrun_command(nproc: int, max_restarts: int, args: list[str]) -> list[str]:
-    return [
-        TORCHRUN,
-        "--standalone",
-        f"--nproc-per-node={nproc}",
-        f"--max-restarts={max_restarts}",
-        "--monitor-interval=0.5",
-        "-m",
-        "slurmft.train.examples.tiny",
-        *args,
-    ]
-
-
-def torchrun_env(workdir: Path, extra: dict[str, str] | None = None) -> dict[str, str]:
-    env = dict(os.environ)
-    env.update(
-        {
-            # torch 2.13 workers reusing the agent's store fail to re-form the process group
-            # after a restart (notes/torchrun.md); the agent sets this too.
-            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
-            "OMP_NUM_THREADS": "1",
-            "SLURMFT_STACKS_DIR": str(workdir / "stacks"),
-        }
-    )
-    env.pop("SLURMFT_AGENT_SOCKET", None)
-    env.update(extra or {})
-    return env
-
-
-def run_tiny(
-    workdir: Path,
-    *args: str,
-    nproc: int = 3,
-    max_restarts: int = 0,
-    ckpt_dir: str | None = None,
-    env: dict[str, str] | None = None,
-) -> TinyRun:
-    workdir.mkdir(parents=True, exist_ok=True)
-    argv = [
-        "--ckpt-dir",
-        ckpt_dir or str(workdir / "ckpt"),
-        "--out-dir",
-        str(workdir / "out"),
-        *args,
-    ]
-    done = subprocess.run(
-        torchrun_command(nproc, max_restarts, argv),
-        cwd=workdir,
-        env=torchrun_env(workdir, env),
-        capture_output=True,
-        text=True,
-        timeout=RUN_TIMEOUT_S,
-        check=False,
-    )
-    return TinyRun(workdir, done.returncode, done.stdout + done.stderr)
-
-
-def copy_run(run: TinyRun, workdir: Path, keep_steps: set[int] | None = None) -> Path:
-    """A copy of a run's checkpoint directory (optionally only some steps) for a new run."""
-    target = workdir / "ckpt"
-    shutil.copytree(run.ckpt_dir, target)
-    if keep_steps is not None:
-        for entry in target.iterdir():
-            if int(entry.name.removeprefix("step-")) not in keep_steps:
-                shutil.rmtree(entry)
-    return target
+from tiny_runs import TinyRun, run_tiny
 
 
 @pytest.fixture(scope="session")

@@ -7,7 +7,7 @@ import math
 from pathlib import Path
 
 import pytest
-from conftest import TinyRun, copy_run, run_tiny
+from tiny_runs import TinyRun, copy_run, run_tiny
 
 pytestmark = pytest.mark.torch
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import RUN_TIMEOUT_S, TinyRun, torchrun_command, torchrun_env
+from tiny_runs import RUN_TIMEOUT_S, TinyRun, torchrun_command, torchrun_env
 
 from slurmft.train.report import decode
 
