@@ -1,0 +1,361 @@
+"""The controller's policy: observations in, actions out. Pure: no clock, no I/O.
+
+The recovery ladder (DESIGN.md): workers restart in place (torchrun does it) → a spare replaces
+a lost or excluded node in the same allocation → the batch step relaunches on the healthy nodes
+→ the job is requeued without the bad nodes → a new job is submitted when the old one cannot be
+requeued → a crash loop stops. This module decides the steps that need the cluster view; the
+batch step and the agents do the in-allocation ones on their own.
+
+Trust: evidence from a run's own processes takes a node out of *that run* at once; draining it
+in Slurm for everyone follows the trust policy (GPU drain-class faults by default, stragglers
+only after repeated windows, lemons only across different runs) and the drain rate limits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from slurmft.config import Config
+from slurmft.controller.budget import Restart
+from slurmft.controller.detect import find_hangs, find_stragglers
+from slurmft.controller.views import (
+    Action,
+    ClusterView,
+    DrainNode,
+    ExcludeNode,
+    FinishRun,
+    GpuFault,
+    GpuFaultAction,
+    JobEnd,
+    JobPhase,
+    JobView,
+    NodeCondition,
+    NotifyHuman,
+    RecordEvent,
+    RequeueJob,
+    RestartWorkers,
+    RunView,
+    SubmitAttempt,
+)
+from slurmft.db.models import EventKind, FaultClass, NodeRole
+from slurmft.db.states import RunState
+
+
+@dataclass(frozen=True)
+class TrustPolicy:
+    drain_gpu_faults: bool = True
+    straggler_drain_after_windows: int = 3
+    lemon_min_runs: int = 2  # restart-class Xids on a node in this many different runs
+    drains_per_hour: int = 4
+    max_drained_fraction: float = 0.1  # of the partition; at least one drain is always allowed
+
+
+@dataclass(frozen=True)
+class Policy:
+    straggler_threshold: float = 0.20
+    straggler_window_buckets: int = 5
+    silent_after_s: float = 30.0
+    trust: TrustPolicy = TrustPolicy()
+
+    @classmethod
+    def from_config(cls, config: Config) -> Policy:
+        return cls(
+            straggler_threshold=config["policy.straggler_threshold"],
+            # The window is kept as per-minute buckets of compute time.
+            straggler_window_buckets=max(1, round(config["policy.straggler_window_s"] / 60)),
+        )
+
+
+class _DrainGate:
+    """Drain rate limits across one decision pass."""
+
+    def __init__(self, trust: TrustPolicy, view: ClusterView) -> None:
+        fraction_cap = int(trust.max_drained_fraction * view.partition_nodes)
+        self._left = min(
+            trust.drains_per_hour - view.drains_last_hour,
+            max(1, fraction_cap) - view.drained_nodes,
+        )
+        self._drained: set[str] = set()
+
+    def drain(self, node: str, run_id: str, reason: str) -> list[Action]:
+        if node in self._drained:
+            return []
+        if self._left <= 0:
+            return [NotifyHuman(run_id, f"drain of {node} refused by the rate limits: {reason}")]
+        self._left -= 1
+        self._drained.add(node)
+        return [DrainNode(run_id, reason, node=node)]
+
+
+def decide(view: ClusterView, policy: Policy) -> list[Action]:
+    """Every action the controller should take now, in order."""
+    if not view.slurm_reachable:
+        return []  # never act on stale information
+    gate = _DrainGate(policy.trust, view)
+    actions: list[Action] = []
+    for run in view.runs:
+        actions += _decide_run(run, view, policy, gate)
+    return actions
+
+
+def _decide_run(run: RunView, view: ClusterView, policy: Policy, gate: _DrainGate) -> list[Action]:
+    job = run.job
+    if job is None or job.phase is JobPhase.PENDING:
+        return []
+    if job.phase is JobPhase.ENDED:
+        return _job_ended(run, job, view)
+    if run.budget.exhausted:
+        return [
+            FinishRun(
+                run.run_id, run.budget.stop_reason(), state=RunState.STOPPED, job_id=job.job_id
+            )
+        ]
+    if job.batch_host_down and job.batch_host:
+        return _batch_host_down(run, job, view)
+    actions: list[Action] = []
+    removed: set[str] = set()
+    for finder in (_lost_nodes, _gpu_faults):
+        found, gone = finder(run, view, policy, gate)
+        actions += found
+        removed |= gone
+    actions += _hangs(run, view, policy, removed)
+    found, gone = _stragglers(run, view, policy, gate, removed)
+    actions += found
+    removed |= gone
+    actions += _capacity(run, job, view, removed)
+    return actions
+
+
+def _event(run: RunView, key: str, **kwargs: object) -> list[Action]:
+    """A RecordEvent unless this finding was recorded before."""
+    if key in run.reported:
+        return []
+    return [RecordEvent(run.run_id, key=key, **kwargs)]  # type: ignore[arg-type]
+
+
+def _job_ended(run: RunView, job: JobView, view: ClusterView) -> list[Action]:
+    exclude = view.denylist | run.excluded
+    end = job.end or JobEnd.FAILED
+    if end is JobEnd.FINISHED:
+        return [FinishRun(run.run_id, "the training script finished", state=RunState.COMPLETED)]
+    if end is JobEnd.GAVE_UP:
+        return [
+            FinishRun(
+                run.run_id,
+                "the batch step stopped at the restart budget: " + run.budget.stop_reason(),
+                state=RunState.STOPPED,
+            )
+        ]
+    if end is JobEnd.CANCELLED and run.cancel_requested:
+        return [FinishRun(run.run_id, "cancelled by its owner", state=RunState.CANCELLED)]
+    if end in {JobEnd.TIME_LIMIT, JobEnd.PREEMPTED, JobEnd.CANCELLED}:
+        # Expected ends (a cancel nobody asked for is Slurm's preemption under CANCEL mode).
+        kind = EventKind.TIME_LIMIT if end is JobEnd.TIME_LIMIT else EventKind.PREEMPTED
+        reason = f"job {job.job_id} ended ({end.value}); resubmitting from the last checkpoint"
+        return [
+            *_event(
+                run,
+                f"end:{job.job_id}",
+                reason=reason,
+                kind=kind,
+                fault_class=FaultClass.TIME_LIMIT
+                if end is JobEnd.TIME_LIMIT
+                else FaultClass.PREEMPTION,
+            ),
+            SubmitAttempt(run.run_id, reason, exclude=exclude),
+        ]
+    cause = FaultClass.HARDWARE if end is JobEnd.NODE_FAIL else FaultClass.USER_CODE
+    budget = run.budget.charge(Restart(cause, node_removed=end is JobEnd.NODE_FAIL))
+    if budget.exhausted:
+        return [FinishRun(run.run_id, budget.stop_reason(), state=RunState.STOPPED)]
+    reason = f"job {job.job_id} ended ({end.value}); resubmitting, {budget.remaining} restarts left"
+    return [SubmitAttempt(run.run_id, reason, exclude=exclude)]
+
+
+def _batch_host_down(run: RunView, job: JobView, view: ClusterView) -> list[Action]:
+    host = job.batch_host or ""
+    reason = (
+        f"slurmft: batch host {host} of job {job.job_id} is down; the job cannot recover "
+        f"inside its allocation, requeueing without it"
+    )
+    return [
+        *_event(
+            run,
+            f"batch_host_down:{job.job_id}:{host}",
+            reason=reason,
+            kind=EventKind.BATCH_HOST_DOWN,
+            fault_class=FaultClass.HARDWARE,
+            node=host,
+        ),
+        ExcludeNode(run.run_id, reason, node=host),
+        RequeueJob(
+            run.run_id, reason, job_id=job.job_id, exclude=view.denylist | run.excluded | {host}
+        ),
+    ]
+
+
+def _lost_nodes(
+    run: RunView, view: ClusterView, policy: Policy, gate: _DrainGate
+) -> tuple[list[Action], set[str]]:
+    actions: list[Action] = []
+    removed: set[str] = set()
+    for node in run.nodes:
+        if node.name in run.excluded or node.condition is NodeCondition.OK:
+            continue
+        if node.condition is NodeCondition.LOST:
+            reason = f"slurmft: node {node.name} lost ({node.role.value})"
+            actions += _event(
+                run,
+                f"lost:{node.name}",
+                reason=reason,
+                kind=EventKind.NODE_LOST,
+                fault_class=FaultClass.HARDWARE,
+                node=node.name,
+            )
+        else:
+            reason = f"slurmft: node {node.name} drained by someone else"
+        actions.append(ExcludeNode(run.run_id, reason, node=node.name))
+        removed.add(node.name)
+    return actions, removed
+
+
+def _gpu_faults(
+    run: RunView, view: ClusterView, policy: Policy, gate: _DrainGate
+) -> tuple[list[Action], set[str]]:
+    actions: list[Action] = []
+    removed: set[str] = set()
+    for fault in run.gpu_faults:
+        reason = f"slurmft: {fault.description}"
+        actions += _event(
+            run,
+            fault.key,
+            reason=reason,
+            kind=EventKind.GPU_FAULT,
+            fault_class=FaultClass.HARDWARE,
+            node=fault.node,
+            evidence={"xid": fault.xid, "gpu": fault.gpu},
+        )
+        if fault.node in run.excluded or fault.node in removed:
+            continue
+        lemon = _is_lemon(fault, run, view, policy.trust)
+        if fault.action is not GpuFaultAction.DRAIN and not lemon:
+            continue  # torchrun restarts the workers in place; the node stays
+        if lemon:
+            reason = (
+                f"slurmft: lemon {fault.node}: restart-class Xids in several runs "
+                f"({fault.description})"
+            )
+        actions.append(ExcludeNode(run.run_id, reason, node=fault.node))
+        removed.add(fault.node)
+        if lemon or policy.trust.drain_gpu_faults:
+            actions += gate.drain(fault.node, run.run_id, reason)
+    return actions, removed
+
+
+def _is_lemon(fault: GpuFault, run: RunView, view: ClusterView, trust: TrustPolicy) -> bool:
+    """Restart-class Xids are usually the application's own bug: a node is a lemon only when
+    they repeat on it across different runs, never from one run alone."""
+    if fault.action is not GpuFaultAction.RESTART:
+        return False
+    runs = {r for node, r in view.restart_xid_history if node == fault.node} | {run.run_id}
+    return len(runs) >= trust.lemon_min_runs
+
+
+def _hangs(run: RunView, view: ClusterView, policy: Policy, removed: set[str]) -> list[Action]:
+    findings, silence = find_hangs(run.beats, now=view.now, silent_after_s=policy.silent_after_s)
+    if silence is not None:
+        reason = (
+            f"slurmft: all {silence.ranks} ranks silent for {silence.seconds:.0f}s: "
+            f"report channel or agents unreachable, not a hang; no action"
+        )
+        return _event(
+            run,
+            "silence",
+            reason=reason,
+            kind=EventKind.CHANNEL_SILENT,
+            fault_class=FaultClass.INFRASTRUCTURE,
+        )
+    actions: list[Action] = []
+    restarted: set[str] = set()
+    for finding in findings:
+        if finding.node in run.excluded or finding.node in removed:
+            continue  # its node is already leaving the run
+        key = f"hang:{finding.rank}:{finding.phase}:{finding.kind.value}"
+        actions += _event(
+            run,
+            key,
+            reason=finding.reason,
+            kind=EventKind.HANG,
+            fault_class=FaultClass.HANG,
+            node=finding.node,
+            rank=finding.rank,
+            evidence={"seconds": finding.seconds, "phase": finding.phase},
+        )
+        if finding.node not in restarted and key not in run.reported:
+            actions.append(RestartWorkers(run.run_id, finding.reason, node=finding.node))
+            restarted.add(finding.node)
+    return actions
+
+
+def _stragglers(
+    run: RunView, view: ClusterView, policy: Policy, gate: _DrainGate, removed: set[str]
+) -> tuple[list[Action], set[str]]:
+    findings = find_stragglers(
+        run.compute,
+        threshold=policy.straggler_threshold,
+        window_buckets=policy.straggler_window_buckets,
+    )
+    actions: list[Action] = []
+    gone: set[str] = set()
+    for finding in findings:
+        node = finding.node
+        if node in run.excluded or node in removed or node in gone:
+            continue
+        actions += _event(
+            run,
+            f"straggler:{node}",
+            reason=finding.reason,
+            kind=EventKind.STRAGGLER,
+            fault_class=FaultClass.STRAGGLER,
+            node=node,
+            rank=finding.rank,
+            evidence={"margin": round(finding.margin, 3)},
+        )
+        if not _has_spare(run, removed | gone):
+            continue  # a slow run beats a smaller one: keep the node until a spare exists
+        actions.append(ExcludeNode(run.run_id, finding.reason, node=node))
+        gone.add(node)
+        windows = view.straggler_windows.get(node, 0) + 1
+        if windows >= policy.trust.straggler_drain_after_windows:
+            actions += gate.drain(node, run.run_id, f"{finding.reason}, slow in {windows} windows")
+    return actions, gone
+
+
+def _usable(run: RunView, removed: set[str]) -> list[str]:
+    return [
+        n.name
+        for n in run.nodes
+        if n.name not in run.excluded and n.name not in removed and n.condition is NodeCondition.OK
+    ]
+
+
+def _has_spare(run: RunView, removed: set[str]) -> bool:
+    return len(_usable(run, removed)) > run.nodes_needed
+
+
+def _capacity(run: RunView, job: JobView, view: ClusterView, removed: set[str]) -> list[Action]:
+    """Fewer usable nodes than the run needs: the allocation cannot recover, requeue it."""
+    usable = _usable(run, removed)
+    if not removed or len(usable) >= run.nodes_needed:
+        return []
+    spares_left = sum(1 for n in run.nodes if n.role is NodeRole.SPARE and n.name in usable)
+    reason = (
+        f"slurmft: {len(usable)} usable nodes < {run.nodes_needed} needed "
+        f"({spares_left} spares left); requeueing job {job.job_id} without "
+        f"{', '.join(sorted(removed | run.excluded))}"
+    )
+    return [
+        RequeueJob(
+            run.run_id, reason, job_id=job.job_id, exclude=view.denylist | run.excluded | removed
+        )
+    ]

@@ -1,0 +1,177 @@
+"""What the controller observes (inputs of ``decide``) and what it may do (its outputs).
+
+Plain frozen dataclasses: ``observe`` builds the views from Slurm, the store and the agents'
+reports; ``decide`` turns them into actions; ``act`` executes and records them. Keeping these
+types free of I/O is what lets the policy be tested as a table and replayed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime
+from enum import StrEnum
+from typing import Any
+
+from slurmft.controller.budget import RestartBudget
+from slurmft.controller.detect import RankBeat, RankCompute
+from slurmft.db.models import EventKind, FaultClass, NodeRole
+from slurmft.db.states import RunState
+
+# --- observations ---------------------------------------------------------------------------
+
+
+class NodeCondition(StrEnum):
+    OK = "ok"
+    LOST = "lost"  # DOWN, NOT_RESPONDING, or gone from the job
+    DRAINED_BY_OTHERS = "drained_by_others"  # someone else's drain: never undone by slurmft
+
+
+class GpuFaultAction(StrEnum):
+    """What the GPU classification table says a fault calls for."""
+
+    DRAIN = "drain"  # reset GPU, reboot, ECC or NVLink workflows: the node leaves the run
+    RESTART = "restart"  # restart the application; the node stays (unless it is a lemon)
+    RECORD = "record"
+
+
+class JobPhase(StrEnum):
+    PENDING = "pending"
+    RUNNING = "running"
+    ENDED = "ended"
+
+
+class JobEnd(StrEnum):
+    FINISHED = "finished"  # the batch step says the training script completed
+    GAVE_UP = "gave_up"  # the batch step stopped at the restart budget
+    TIME_LIMIT = "time_limit"
+    PREEMPTED = "preempted"
+    CANCELLED = "cancelled"
+    FAILED = "failed"
+    NODE_FAIL = "node_fail"
+
+
+@dataclass(frozen=True)
+class NodeView:
+    name: str
+    role: NodeRole
+    condition: NodeCondition = NodeCondition.OK
+
+
+@dataclass(frozen=True)
+class GpuFault:
+    node: str
+    action: GpuFaultAction
+    description: str  # e.g. "Xid 79 GPU fell off the bus (GPU 3)"
+    xid: int | None = None
+    gpu: int | None = None
+
+    @property
+    def key(self) -> str:
+        return f"gpu:{self.node}:{self.gpu}:{self.xid}:{self.description}"
+
+
+@dataclass(frozen=True)
+class JobView:
+    job_id: str
+    phase: JobPhase
+    end: JobEnd | None = None
+    batch_host: str | None = None
+    batch_host_down: bool = False
+
+
+@dataclass(frozen=True)
+class RunView:
+    run_id: str
+    nodes_needed: int
+    job: JobView | None
+    nodes: tuple[NodeView, ...] = ()
+    beats: tuple[RankBeat, ...] = ()  # empty for a script that never imports slurmft.train
+    compute: tuple[RankCompute, ...] = ()
+    gpu_faults: tuple[GpuFault, ...] = ()
+    excluded: frozenset[str] = frozenset()  # nodes already out of this run
+    budget: RestartBudget = field(default_factory=RestartBudget)
+    cancel_requested: bool = False
+    # Findings already recorded (by key), so a condition that lasts is acted on once.
+    reported: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True)
+class ClusterView:
+    now: datetime
+    slurm_reachable: bool
+    runs: tuple[RunView, ...] = ()
+    denylist: frozenset[str] = frozenset()  # kept out of every run
+    drains_last_hour: int = 0
+    partition_nodes: int = 0
+    drained_nodes: int = 0
+    # (node, run_id) pairs that saw restart-class Xids before: lemons repeat across runs.
+    restart_xid_history: frozenset[tuple[str, str]] = frozenset()
+    # Straggler windows flagged per node so far (this tick's not included).
+    straggler_windows: dict[str, int] = field(default_factory=dict)
+
+
+# --- actions --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Action:
+    """Base of every action: which run (if any), and why, with the evidence."""
+
+    run_id: str | None
+    reason: str
+    evidence: dict[str, Any] = field(default_factory=dict, compare=False)
+
+
+@dataclass(frozen=True)
+class RecordEvent(Action):
+    kind: EventKind = EventKind.RANK_FAILURE
+    fault_class: FaultClass | None = None
+    node: str | None = None
+    rank: int | None = None
+    key: str = ""  # the finding's key; recorded so the next tick does not repeat it
+
+
+@dataclass(frozen=True)
+class ExcludeNode(Action):
+    """Keep the node out of this run: its agent leaves, a spare takes its place, later steps,
+    requeues and submissions exclude it."""
+
+    node: str = ""
+
+
+@dataclass(frozen=True)
+class DrainNode(Action):
+    """Drain in Slurm for everyone (trust policy and rate limits already applied) and denylist."""
+
+    node: str = ""
+
+
+@dataclass(frozen=True)
+class RestartWorkers(Action):
+    """Tell the node's agent to save its workers' stacks and kill them; torchrun restarts them."""
+
+    node: str = ""
+
+
+@dataclass(frozen=True)
+class RequeueJob(Action):
+    job_id: str = ""
+    exclude: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True)
+class SubmitAttempt(Action):
+    """A new Slurm job for the run (its job cannot be requeued), resuming from its checkpoint."""
+
+    exclude: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True)
+class FinishRun(Action):
+    state: RunState = RunState.COMPLETED
+    job_id: str | None = None  # cancel this job too (a run stopped at the cap)
+
+
+@dataclass(frozen=True)
+class NotifyHuman(Action):
+    """Something needs a person: shown in `slurmft status` and sent to the webhook."""

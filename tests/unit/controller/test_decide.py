@@ -1,0 +1,317 @@
+"""The controller's policy as a table: observations in, actions out."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from datetime import UTC, datetime, timedelta
+
+import pytest
+
+from slurmft.controller.budget import Restart, RestartBudget
+from slurmft.controller.decide import Policy, TrustPolicy, decide
+from slurmft.controller.detect import RankBeat, RankCompute
+from slurmft.controller.views import (
+    Action,
+    ClusterView,
+    DrainNode,
+    ExcludeNode,
+    FinishRun,
+    GpuFault,
+    GpuFaultAction,
+    JobEnd,
+    JobPhase,
+    JobView,
+    NodeCondition,
+    NodeView,
+    NotifyHuman,
+    RecordEvent,
+    RequeueJob,
+    RestartWorkers,
+    RunView,
+    SubmitAttempt,
+)
+from slurmft.db.models import EventKind, FaultClass, NodeRole
+from slurmft.db.states import RunState
+
+NOW = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
+POLICY = Policy(straggler_window_buckets=3)
+RUNNING = JobView("101", JobPhase.RUNNING, batch_host="n1")
+
+
+def _nodes(
+    *, spares: int = 1, lost: tuple[str, ...] = (), drained: tuple[str, ...] = ()
+) -> tuple[NodeView, ...]:
+    names = [f"n{i}" for i in range(1, 4 + spares)]
+
+    def condition(name: str) -> NodeCondition:
+        if name in lost:
+            return NodeCondition.LOST
+        return NodeCondition.DRAINED_BY_OTHERS if name in drained else NodeCondition.OK
+
+    return tuple(
+        NodeView(n, NodeRole.ACTIVE if i < 3 else NodeRole.SPARE, condition(n))
+        for i, n in enumerate(names)
+    )
+
+
+def _run(**kw: object) -> RunView:
+    base = RunView(run_id="r1", nodes_needed=3, job=RUNNING, nodes=_nodes())
+    return replace(base, **kw)  # type: ignore[arg-type]
+
+
+def _view(*runs: RunView, **kw: object) -> ClusterView:
+    base = ClusterView(now=NOW, slurm_reachable=True, runs=runs, partition_nodes=6)
+    return replace(base, **kw)  # type: ignore[arg-type]
+
+
+def _summary(actions: list[Action]) -> list[tuple[str, str]]:
+    """(action type, node or state or event kind) pairs: what a reader of the table checks."""
+    out = []
+    for a in actions:
+        detail = getattr(a, "node", None) or ""
+        if isinstance(a, RecordEvent):
+            detail = a.kind.value + (f"@{a.node}" if a.node else "")
+        elif isinstance(a, FinishRun):
+            detail = a.state.value
+        elif isinstance(a, RequeueJob | SubmitAttempt):
+            detail = ",".join(sorted(a.exclude))
+        out.append((type(a).__name__, detail))
+    return out
+
+
+def _beats(**overrides: dict[str, float]) -> tuple[RankBeat, ...]:
+    beats = []
+    for rank in range(3):
+        o = overrides.get(f"r{rank}", {})
+        beats.append(
+            RankBeat(
+                rank,
+                f"n{rank + 1}",
+                "step",
+                10,
+                NOW - timedelta(seconds=o.get("ago", 1.0)),
+                o.get("age", 1.0),
+                300.0,
+            )
+        )
+    return tuple(beats)
+
+
+def _compute(slow_rank: int | None, factor: float = 1.3) -> tuple[RankCompute, ...]:
+    return tuple(
+        RankCompute(r, f"n{r + 1}", (factor if r == slow_rank else 1.0,) * 3) for r in range(3)
+    )
+
+
+XID79 = GpuFault("n2", GpuFaultAction.DRAIN, "Xid 79 GPU has fallen off the bus (GPU 3)", 79, 3)
+XID13 = GpuFault("n2", GpuFaultAction.RESTART, "Xid 13 graphics engine exception (GPU 0)", 13, 0)
+
+CASES = [
+    ("healthy run: nothing to do", _view(_run(beats=_beats(), compute=_compute(None))), []),
+    (
+        "Slurm unreachable: never act on stale information",
+        _view(_run(nodes=_nodes(lost=("n2",))), slurm_reachable=False),
+        [],
+    ),
+    ("pending job: wait", _view(_run(job=JobView("101", JobPhase.PENDING))), []),
+    (
+        "active node lost: record, exclude; the spare joins",
+        _view(_run(nodes=_nodes(lost=("n2",)))),
+        [("RecordEvent", "node_lost@n2"), ("ExcludeNode", "n2")],
+    ),
+    (
+        "lost node already excluded: nothing more",
+        _view(_run(nodes=_nodes(lost=("n2",)), excluded=frozenset({"n2"}))),
+        [],
+    ),
+    (
+        "lost node with no spare left: requeue without it and the denylist",
+        _view(_run(nodes=_nodes(spares=0, lost=("n2",))), denylist=frozenset({"n9"})),
+        [("RecordEvent", "node_lost@n2"), ("ExcludeNode", "n2"), ("RequeueJob", "n2,n9")],
+    ),
+    (
+        "node drained by someone else: leave it, never undo it",
+        _view(_run(nodes=_nodes(drained=("n3",)))),
+        [("ExcludeNode", "n3")],
+    ),
+    (
+        "batch host down: requeue without it",
+        _view(_run(job=replace(RUNNING, batch_host_down=True))),
+        [("RecordEvent", "batch_host_down@n1"), ("ExcludeNode", "n1"), ("RequeueJob", "n1")],
+    ),
+    (
+        "Xid 79: exclude, drain",
+        _view(_run(gpu_faults=(XID79,))),
+        [("RecordEvent", "gpu_fault@n2"), ("ExcludeNode", "n2"), ("DrainNode", "n2")],
+    ),
+    (
+        "Xid 79 with drains of GPU faults switched off: exclude from the run only",
+        _view(_run(gpu_faults=(XID79,))),
+        [("RecordEvent", "gpu_fault@n2"), ("ExcludeNode", "n2")],
+    ),
+    (
+        "Xid 13 in one run: the run restarts, the node stays",
+        _view(_run(gpu_faults=(XID13,))),
+        [("RecordEvent", "gpu_fault@n2")],
+    ),
+    (
+        "Xid 13 on a node that had them in another run: a lemon",
+        _view(_run(gpu_faults=(XID13,)), restart_xid_history=frozenset({("n2", "r0")})),
+        [("RecordEvent", "gpu_fault@n2"), ("ExcludeNode", "n2"), ("DrainNode", "n2")],
+    ),
+    (
+        "Xid 13 twice in the same run is not a lemon",
+        _view(_run(gpu_faults=(XID13,)), restart_xid_history=frozenset({("n2", "r1")})),
+        [("RecordEvent", "gpu_fault@n2")],
+    ),
+    (
+        "drain refused by the rate limit: exclude and tell a human",
+        _view(_run(gpu_faults=(XID79,)), drains_last_hour=4),
+        [("RecordEvent", "gpu_fault@n2"), ("ExcludeNode", "n2"), ("NotifyHuman", "")],
+    ),
+    (
+        "hung rank: record with evidence, restart its workers",
+        _view(_run(beats=_beats(r1={"age": 400.0}))),
+        [("RecordEvent", "hang@n2"), ("RestartWorkers", "n2")],
+    ),
+    (
+        "hang already reported: no second restart",
+        _view(_run(beats=_beats(r1={"age": 400.0}), reported=frozenset({"hang:1:step:overdue"}))),
+        [],
+    ),
+    (
+        "frozen rank (SIGSTOP) while peers report",
+        _view(_run(beats=_beats(r2={"ago": 60.0}))),
+        [("RecordEvent", "hang@n3"), ("RestartWorkers", "n3")],
+    ),
+    (
+        "whole run silent: channel problem, no restart",
+        _view(_run(beats=_beats(r0={"ago": 90.0}, r1={"ago": 90.0}, r2={"ago": 90.0}))),
+        [("RecordEvent", "channel_silent")],
+    ),
+    ("plain torchrun script (no heartbeats): silence is never a hang", _view(_run()), []),
+    (
+        "straggler with a spare: exclude, a spare replaces it; no drain yet",
+        _view(_run(compute=_compute(1))),
+        [("RecordEvent", "straggler@n2"), ("ExcludeNode", "n2")],
+    ),
+    (
+        "straggler in its third window: drained too",
+        _view(_run(compute=_compute(1)), straggler_windows={"n2": 2}),
+        [("RecordEvent", "straggler@n2"), ("ExcludeNode", "n2"), ("DrainNode", "n2")],
+    ),
+    (
+        "straggler without a spare: recorded, kept (slow beats smaller)",
+        _view(_run(nodes=_nodes(spares=0), compute=_compute(1))),
+        [("RecordEvent", "straggler@n2")],
+    ),
+    (
+        "job finished",
+        _view(_run(job=JobView("101", JobPhase.ENDED, JobEnd.FINISHED))),
+        [("FinishRun", "completed")],
+    ),
+    (
+        "time limit: resubmit without the denylist, not charged",
+        _view(
+            _run(job=JobView("101", JobPhase.ENDED, JobEnd.TIME_LIMIT), excluded=frozenset({"n4"})),
+            denylist=frozenset({"n9"}),
+        ),
+        [("RecordEvent", "time_limit"), ("SubmitAttempt", "n4,n9")],
+    ),
+    (
+        "cancelled by nobody (preemption under CANCEL mode): resubmit",
+        _view(_run(job=JobView("101", JobPhase.ENDED, JobEnd.CANCELLED))),
+        [("RecordEvent", "preempted"), ("SubmitAttempt", "")],
+    ),
+    (
+        "cancelled by its owner: done",
+        _view(_run(job=JobView("101", JobPhase.ENDED, JobEnd.CANCELLED), cancel_requested=True)),
+        [("FinishRun", "cancelled")],
+    ),
+    (
+        "job failed with budget left: resubmit",
+        _view(_run(job=JobView("101", JobPhase.ENDED, JobEnd.FAILED))),
+        [("SubmitAttempt", "")],
+    ),
+    (
+        "job failed at the cap: stop",
+        _view(
+            _run(
+                job=JobView("101", JobPhase.ENDED, JobEnd.FAILED),
+                budget=RestartBudget(charged_in_a_row=5),
+            )
+        ),
+        [("FinishRun", "stopped")],
+    ),
+    (
+        "batch step gave up: stopped",
+        _view(_run(job=JobView("101", JobPhase.ENDED, JobEnd.GAVE_UP))),
+        [("FinishRun", "stopped")],
+    ),
+    (
+        "running past the cap: stop and cancel",
+        _view(_run(budget=RestartBudget(charged_in_a_row=6))),
+        [("FinishRun", "stopped")],
+    ),
+]
+
+
+@pytest.mark.parametrize(("name", "view", "expected"), CASES, ids=[c[0] for c in CASES])
+def test_decision_table(name: str, view: ClusterView, expected: list[tuple[str, str]]) -> None:
+    policy = POLICY
+    if "switched off" in name:
+        policy = replace(POLICY, trust=TrustPolicy(drain_gpu_faults=False))
+    assert _summary(decide(view, policy)) == expected
+
+
+def test_reasons_are_readable_in_slurm() -> None:
+    actions = decide(
+        _view(
+            _run(gpu_faults=(XID79,)), _run(run_id="r2", compute=_compute(2)), partition_nodes=100
+        ),
+        replace(POLICY, trust=TrustPolicy(straggler_drain_after_windows=1)),
+    )
+    drains = [a for a in actions if isinstance(a, DrainNode)]
+    assert [d.reason for d in drains] == [
+        "slurmft: Xid 79 GPU has fallen off the bus (GPU 3)",
+        "slurmft: straggler rank 2 +30% over median, slow in 1 windows",
+    ]
+
+
+def test_one_node_is_drained_once_per_pass() -> None:
+    both = (XID79, replace(XID79, gpu=4, description="Xid 48 double-bit ECC (GPU 4)", xid=48))
+    actions = decide(_view(_run(gpu_faults=both)), POLICY)
+    assert sum(isinstance(a, DrainNode) for a in actions) == 1
+    assert sum(isinstance(a, RecordEvent) for a in actions) == 2
+
+
+def test_drain_fraction_cap_allows_at_least_one() -> None:
+    view = _view(
+        _run(gpu_faults=(XID79,)),
+        _run(run_id="r2", gpu_faults=(replace(XID79, node="n3"),)),
+        partition_nodes=6,
+    )
+    kinds = [type(a) for a in decide(view, POLICY)]
+    assert kinds.count(DrainNode) == 1 and kinds.count(NotifyHuman) == 1
+
+
+def test_stopped_run_cancels_its_job_with_the_budget_reason() -> None:
+    budget = RestartBudget()
+    for _ in range(6):
+        budget = budget.charge(Restart(FaultClass.USER_CODE))
+    (action,) = decide(_view(_run(budget=budget)), POLICY)
+    assert isinstance(action, FinishRun) and action.state is RunState.STOPPED
+    assert action.job_id == "101" and "restarts in a row without progress" in action.reason
+
+
+def test_events_carry_keys_and_classes() -> None:
+    actions = decide(_view(_run(nodes=_nodes(lost=("n2",)))), POLICY)
+    event = actions[0]
+    assert isinstance(event, RecordEvent)
+    assert (event.kind, event.fault_class, event.key) == (
+        EventKind.NODE_LOST,
+        FaultClass.HARDWARE,
+        "lost:n2",
+    )
+    assert isinstance(actions[1], ExcludeNode)
+    assert not any(isinstance(a, RestartWorkers) for a in actions)
