@@ -246,6 +246,52 @@ SETTINGS: tuple[Setting, ...] = (
         "How long a straggler margin must be sustained before it is flagged.",
         minimum=1.0,
     ),
+    Setting(
+        "policy.silent_after_s",
+        float,
+        30.0,
+        "A rank whose heartbeats stop this long while its peers' still arrive is frozen (a "
+        "hang); all ranks silent together is a report-channel problem, never a hang.",
+        minimum=1.0,
+    ),
+    Setting(
+        "trust.drain_gpu_faults",
+        bool,
+        True,
+        "Drain a node in Slurm (for everyone) on a drain-class GPU fault. Off: the node only "
+        "leaves the run that saw the fault.",
+    ),
+    Setting(
+        "trust.straggler_drain_after_windows",
+        int,
+        3,
+        "Drain a straggler node only after it was flagged in this many windows; before that it "
+        "only leaves the run.",
+        minimum=1,
+    ),
+    Setting(
+        "trust.lemon_min_runs",
+        int,
+        2,
+        "Restart-class Xids (13, 31, 43) make a node a lemon only when they repeat on it in this "
+        "many different runs.",
+        minimum=2,
+    ),
+    Setting(
+        "trust.drains_per_hour",
+        int,
+        4,
+        "At most this many drains per hour; past it a drain becomes a notice to a human.",
+        minimum=0,
+    ),
+    Setting(
+        "trust.max_drained_fraction",
+        float,
+        0.1,
+        "Never drain past this fraction of the partition (at least one drain is allowed).",
+        minimum=0.0,
+        maximum=1.0,
+    ),
 )
 SETTINGS_BY_KEY: dict[str, Setting] = {s.key: s for s in SETTINGS}
 

@@ -63,6 +63,14 @@ class Policy:
             straggler_threshold=config["policy.straggler_threshold"],
             # The window is kept as per-minute buckets of compute time.
             straggler_window_buckets=max(1, round(config["policy.straggler_window_s"] / 60)),
+            silent_after_s=config["policy.silent_after_s"],
+            trust=TrustPolicy(
+                drain_gpu_faults=config["trust.drain_gpu_faults"],
+                straggler_drain_after_windows=config["trust.straggler_drain_after_windows"],
+                lemon_min_runs=config["trust.lemon_min_runs"],
+                drains_per_hour=config["trust.drains_per_hour"],
+                max_drained_fraction=config["trust.max_drained_fraction"],
+            ),
         )
 
 

@@ -315,3 +315,16 @@ def test_events_carry_keys_and_classes() -> None:
     )
     assert isinstance(actions[1], ExcludeNode)
     assert not any(isinstance(a, RestartWorkers) for a in actions)
+
+
+def test_policy_comes_from_the_config() -> None:
+    from pathlib import Path
+
+    from slurmft.config import load_config
+
+    config = load_config(environ={}, system_file=Path("/nonexistent"),
+                         overrides=["trust.drains_per_hour=1", "policy.straggler_window_s=180",
+                                    "trust.drain_gpu_faults=false"])
+    policy = Policy.from_config(config)
+    assert policy.straggler_window_buckets == 3
+    assert policy.trust == TrustPolicy(drain_gpu_faults=False, drains_per_hour=1)
