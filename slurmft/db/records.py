@@ -1,0 +1,154 @@
+"""Recording what happened and what the controller did: events, actions, the denylist.
+
+Every action is written *before* it is executed (status ``planned``) and finished afterwards
+(``done``, ``failed`` with the error, or ``skipped`` with why), so a crash in between leaves a
+visible planned row rather than an effect nobody recorded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import or_, select
+from sqlalchemy.orm import Session
+
+from slurmft.db.models import (
+    Action,
+    ActionKind,
+    ActionStatus,
+    DenylistEntry,
+    Event,
+    EventKind,
+    FaultClass,
+    utcnow,
+)
+
+
+def record_event(
+    session: Session,
+    kind: EventKind,
+    message: str,
+    *,
+    run_id: str | None = None,
+    attempt_id: int | None = None,
+    node: str | None = None,
+    rank: int | None = None,
+    fault_class: FaultClass | None = None,
+    xid: int | None = None,
+    gpu_index: int | None = None,
+    details: dict[str, Any] | None = None,
+    source: str = "daemon",
+    occurred_at: datetime | None = None,
+) -> Event:
+    event = Event(
+        run_id=run_id,
+        attempt_id=attempt_id,
+        kind=kind,
+        fault_class=fault_class,
+        node=node,
+        rank=rank,
+        xid=xid,
+        gpu_index=gpu_index,
+        message=message,
+        details=details or {},
+        source=source,
+        occurred_at=occurred_at or utcnow(),
+    )
+    session.add(event)
+    session.flush()
+    return event
+
+
+def plan_action(
+    session: Session,
+    kind: ActionKind,
+    reason: str,
+    *,
+    run_id: str | None = None,
+    attempt_id: int | None = None,
+    node: str | None = None,
+    event_id: int | None = None,
+    evidence: dict[str, Any] | None = None,
+) -> Action:
+    action = Action(
+        kind=kind,
+        reason=reason,
+        run_id=run_id,
+        attempt_id=attempt_id,
+        node=node,
+        event_id=event_id,
+        evidence=evidence or {},
+        status=ActionStatus.PLANNED,
+    )
+    session.add(action)
+    session.flush()
+    return action
+
+
+def finish_action(action: Action, status: ActionStatus, *, error: str | None = None) -> Action:
+    if status is ActionStatus.PLANNED:
+        raise ValueError("finish an action as done, failed or skipped")
+    action.status = status
+    action.error = error
+    action.finished_at = utcnow()
+    return action
+
+
+def denylist_add(
+    session: Session,
+    node: str,
+    reason: str,
+    *,
+    run_id: str | None = None,
+    action_id: int | None = None,
+    expires_at: datetime | None = None,
+) -> DenylistEntry:
+    """Keep ``node`` out of one run (``run_id``) or of every run; an active entry is reused."""
+    existing = session.scalars(_active_for(node, run_id)).first()
+    if existing is not None:
+        return existing
+    entry = DenylistEntry(
+        node=node, reason=reason, run_id=run_id, action_id=action_id, expires_at=expires_at
+    )
+    session.add(entry)
+    session.flush()
+    return entry
+
+
+def denylist_remove(session: Session, node: str, *, run_id: str | None = None) -> int:
+    """End the active entries for ``node`` (of one run, or the global ones); returns how many."""
+    entries = session.scalars(_active_for(node, run_id)).all()
+    now = utcnow()
+    for entry in entries:
+        entry.removed_at = now
+    return len(entries)
+
+
+def denied_nodes(
+    session: Session, *, run_id: str | None = None, now: datetime | None = None
+) -> frozenset[str]:
+    """Nodes kept out of every run, plus (with ``run_id``) those kept out of that run."""
+    scope = DenylistEntry.run_id.is_(None)
+    if run_id is not None:
+        scope = or_(scope, DenylistEntry.run_id == run_id)
+    rows: Iterable[str] = session.scalars(
+        _active(now or utcnow()).with_only_columns(DenylistEntry.node).where(scope)
+    )
+    return frozenset(rows)
+
+
+def _active(now: datetime) -> Any:
+    return select(DenylistEntry).where(
+        DenylistEntry.removed_at.is_(None),
+        or_(DenylistEntry.expires_at.is_(None), DenylistEntry.expires_at > now),
+    )
+
+
+def _active_for(node: str, run_id: str | None) -> Any:
+    """Active entries of exactly this scope: the run's own, or the global ones."""
+    same_scope = (
+        DenylistEntry.run_id.is_(None) if run_id is None else DenylistEntry.run_id == run_id
+    )
+    return _active(utcnow()).where(DenylistEntry.node == node, same_scope)
