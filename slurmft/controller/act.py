@@ -1,0 +1,175 @@
+"""Executes the policy's actions: thin effects, each one recorded with its reason and evidence.
+
+Every effect is written as a ``planned`` action row first and finished afterwards, so "why did
+this node get drained" is one query, and a crash mid-way leaves a visible planned row. In
+observe-only mode every action is recorded as ``skipped`` and nothing is touched.
+
+Commands for agents (leave the run, restart your workers) are not pushed: they are rows in the
+store (the run-scoped denylist, planned ``restart_workers`` actions) that the ingest endpoint
+puts into its reply when the agent next reports, so a daemon restart loses none of them.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from sqlalchemy.orm import Session
+
+from slurmft.controller import views as v
+from slurmft.db import Database
+from slurmft.db.models import ActionKind, ActionStatus, Run
+from slurmft.db.records import denylist_add, finish_action, plan_action, record_event
+from slurmft.db.states import RunState
+from slurmft.slurm.api import SlurmClient, SlurmError, SlurmPermissionDenied
+
+log = logging.getLogger(__name__)
+
+OBSERVE_ONLY = "observe-only mode: decided and recorded, not executed"
+
+
+@dataclass(frozen=True)
+class Outcome:
+    action: v.Action
+    status: ActionStatus
+    error: str | None = None
+
+
+# A new Slurm job for a run (its spec, the denylist excluded); returns the Slurm job id.
+Submitter = Callable[[str, frozenset[str]], str]
+
+
+class Executor:
+    def __init__(
+        self,
+        database: Database,
+        slurm: SlurmClient,
+        *,
+        observe_only: bool = False,
+        submit_attempt: Submitter | None = None,
+    ) -> None:
+        self._db = database
+        self._slurm = slurm
+        self._observe_only = observe_only
+        self._submit_attempt = submit_attempt
+
+    def execute(self, actions: Sequence[v.Action]) -> list[Outcome]:
+        """Run the actions in order, one transaction each, so one failure stops nothing else."""
+        outcomes = []
+        for action in actions:
+            with self._db.session() as session:
+                outcome = self._execute_one(session, action)
+            log.info(
+                "%s %s: %s (%s)",
+                type(action).__name__,
+                outcome.status.value,
+                action.reason,
+                outcome.error or "ok",
+                extra={"run_id": action.run_id, "node": getattr(action, "node", None)},
+            )
+            outcomes.append(outcome)
+        return outcomes
+
+    def _execute_one(self, session: Session, action: v.Action) -> Outcome:
+        if isinstance(action, v.RecordEvent):
+            # Recording is observing, not acting: done in observe-only mode too.
+            record_event(
+                session,
+                action.kind,
+                action.reason,
+                run_id=action.run_id,
+                node=action.node,
+                rank=action.rank,
+                fault_class=action.fault_class,
+                details={**action.evidence, "key": action.key},
+            )
+            return Outcome(action, ActionStatus.DONE)
+        kind, node, effect = self._plan(session, action)
+        row = plan_action(
+            session, kind, action.reason, run_id=action.run_id, node=node, evidence=action.evidence
+        )
+        if self._observe_only:
+            finish_action(row, ActionStatus.SKIPPED, error=OBSERVE_ONLY)
+            return Outcome(action, ActionStatus.SKIPPED, OBSERVE_ONLY)
+        if effect is None:  # delivered to the agent with its next report
+            return Outcome(action, ActionStatus.PLANNED)
+        try:
+            effect()
+        except SlurmPermissionDenied as exc:
+            error = (
+                f"drain requested, not permitted: {exc}"
+                if kind is ActionKind.DRAIN_NODE
+                else str(exc)
+            )
+            finish_action(row, ActionStatus.SKIPPED, error=error)
+            return Outcome(action, ActionStatus.SKIPPED, error)
+        except SlurmError as exc:
+            finish_action(row, ActionStatus.FAILED, error=str(exc))
+            return Outcome(action, ActionStatus.FAILED, str(exc))
+        finish_action(row, ActionStatus.DONE)
+        return Outcome(action, ActionStatus.DONE)
+
+    def _plan(
+        self, session: Session, action: v.Action
+    ) -> tuple[ActionKind, str | None, Callable[[], None] | None]:
+        """The action's kind, its node, and its effect (None: an agent command, or recorded
+        only)."""
+        match action:
+            case v.ExcludeNode(node=node):
+                # The run-scoped denylist entry is the command: the agent reads it as "leave".
+                return ActionKind.AGENT_LEAVE, node, lambda: _deny_for_run(session, action, node)
+            case v.DrainNode(node=node):
+
+                def drain() -> None:
+                    denylist_add(session, node, action.reason)
+                    self._slurm.drain(node, action.reason)
+
+                return ActionKind.DRAIN_NODE, node, drain
+            case v.RestartWorkers(node=node):
+                return ActionKind.RESTART_WORKERS, node, None
+            case v.RequeueJob(job_id=job_id, exclude=exclude):
+
+                def requeue() -> None:
+                    self._slurm.requeue(job_id)
+                    # ExcNodeList can only change while the job is pending, i.e. after requeue.
+                    self._slurm.set_excluded_nodes(job_id, sorted(exclude))
+
+                return ActionKind.REQUEUE, None, requeue
+            case v.SubmitAttempt(exclude=exclude):
+                return ActionKind.RESUBMIT, None, lambda: self._resubmit(action, exclude)
+            case v.FinishRun(state=state, job_id=job_id):
+                kind = {
+                    RunState.STOPPED: ActionKind.STOP_RUN,
+                    RunState.CANCELLED: ActionKind.CANCEL,
+                }.get(state, ActionKind.FINISH_RUN)
+                return kind, None, lambda: self._finish(session, action, state, job_id)
+            case v.NotifyHuman():
+                return ActionKind.NOTIFY, None, _recorded_only
+        raise TypeError(f"no executor for {type(action).__name__}")
+
+    def _resubmit(self, action: v.Action, exclude: frozenset[str]) -> None:
+        if self._submit_attempt is None:
+            raise SlurmError(
+                "this daemon has no way to submit as the run's owner; waiting for the owner"
+            )
+        assert action.run_id is not None
+        self._submit_attempt(action.run_id, exclude)
+
+    def _finish(
+        self, session: Session, action: v.Action, state: RunState, job_id: str | None
+    ) -> None:
+        if job_id is not None:
+            self._slurm.cancel(job_id)
+        run = session.get(Run, action.run_id)
+        if run is not None and not run.state.is_terminal:
+            run.state = state
+            run.end_reason = action.reason
+
+
+def _deny_for_run(session: Session, action: v.Action, node: str) -> None:
+    denylist_add(session, node, action.reason, run_id=action.run_id)
+
+
+def _recorded_only() -> None:
+    """Effects that live in the store (denylist, outbox): the action row is the whole effect."""

@@ -1,0 +1,182 @@
+"""The executor against a real store (SQLite and PostgreSQL) and a Slurm client whose commands
+are recorded; the same drain through the real local Slurm cluster is in test_act_slurm.py."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pytest
+from sqlalchemy import select
+
+from slurmft.controller import views as v
+from slurmft.controller.act import OBSERVE_ONLY, Executor
+from slurmft.db import Database
+from slurmft.db.models import Action, ActionKind, ActionStatus, Event, EventKind, FaultClass, Run
+from slurmft.db.records import denied_nodes
+from slurmft.db.states import RunState
+from slurmft.slurm.api import SlurmError, SlurmPermissionDenied, SlurmUnreachable
+
+
+class RecordingSlurm:
+    """Records the calls the executor makes; can fail one operation with a given error."""
+
+    def __init__(self, fail: dict[str, SlurmError] | None = None) -> None:
+        self.calls: list[tuple[str, ...]] = []
+        self.fail = fail or {}
+
+    def _call(self, name: str, *args: str) -> None:
+        self.calls.append((name, *args))
+        if name in self.fail:
+            raise self.fail[name]
+
+    def drain(self, node: str, reason: str) -> None:
+        self._call("drain", node, reason)
+
+    def requeue(self, job_id: str) -> None:
+        self._call("requeue", job_id)
+
+    def set_excluded_nodes(self, job_id: str, nodes: Sequence[str]) -> None:
+        self._call("set_excluded_nodes", job_id, ",".join(nodes))
+
+    def cancel(self, job_id: str) -> None:
+        self._call("cancel", job_id)
+
+
+@pytest.fixture
+def run_id(database: Database) -> str:
+    with database.session() as s:
+        run = Run(
+            id="r1", name="llama", owner_uid=1000, owner_name="alice", nodes=3, command=["train.py"]
+        )
+        s.add(run)
+        s.flush()
+        run.state = RunState.RUNNING
+    return "r1"
+
+
+def _actions(database: Database) -> list[tuple[ActionKind, str | None, ActionStatus, str | None]]:
+    with database.session() as s:
+        rows = s.scalars(select(Action).order_by(Action.id)).all()
+        return [(a.kind, a.node, a.status, a.error) for a in rows]
+
+
+XID79 = "slurmft: Xid 79 GPU has fallen off the bus (GPU 3)"
+
+
+def test_gpu_fault_is_recorded_excluded_and_drained(database: Database, run_id: str) -> None:
+    slurm = RecordingSlurm()
+    outcomes = Executor(database, slurm).execute(
+        [  # type: ignore[arg-type]
+            v.RecordEvent(
+                run_id,
+                XID79,
+                {"xid": 79},
+                kind=EventKind.GPU_FAULT,
+                fault_class=FaultClass.HARDWARE,
+                node="n2",
+                key="gpu:n2:3:79",
+            ),
+            v.ExcludeNode(run_id, XID79, node="n2"),
+            v.DrainNode(run_id, XID79, {"xid": 79}, node="n2"),
+        ]
+    )
+    assert [o.status for o in outcomes] == [ActionStatus.DONE] * 3
+    assert slurm.calls == [("drain", "n2", XID79)]
+    assert _actions(database) == [
+        (ActionKind.AGENT_LEAVE, "n2", ActionStatus.DONE, None),
+        (ActionKind.DRAIN_NODE, "n2", ActionStatus.DONE, None),
+    ]
+    with database.session() as s:
+        assert denied_nodes(s) == {"n2"}
+        event = s.scalars(select(Event)).one()
+        assert (event.kind, event.details) == (
+            EventKind.GPU_FAULT,
+            {"xid": 79, "key": "gpu:n2:3:79"},
+        )
+
+
+def test_drain_without_privilege_is_recorded_as_requested(database: Database, run_id: str) -> None:
+    slurm = RecordingSlurm(fail={"drain": SlurmPermissionDenied("Access/permission denied")})
+    (outcome,) = Executor(database, slurm).execute(  # type: ignore[arg-type]
+        [v.DrainNode(run_id, XID79, node="n2")]
+    )
+    assert outcome.status is ActionStatus.SKIPPED
+    ((kind, node, status, error),) = _actions(database)
+    assert (kind, node, status) == (ActionKind.DRAIN_NODE, "n2", ActionStatus.SKIPPED)
+    assert error is not None and error.startswith("drain requested, not permitted")
+
+
+def test_slurm_down_fails_one_action_and_the_next_still_runs(
+    database: Database, run_id: str
+) -> None:
+    slurm = RecordingSlurm(fail={"requeue": SlurmUnreachable("slurmctld not responding")})
+    outcomes = Executor(database, slurm).execute(
+        [  # type: ignore[arg-type]
+            v.RequeueJob(run_id, "batch host down", job_id="7", exclude=frozenset({"n1", "n9"})),
+            v.NotifyHuman(run_id, "spares exhausted"),
+        ]
+    )
+    assert [o.status for o in outcomes] == [ActionStatus.FAILED, ActionStatus.DONE]
+    assert slurm.calls == [("requeue", "7")]  # no ExcNodeList update after a failed requeue
+    assert _actions(database)[0][3] == "slurmctld not responding"
+
+
+def test_requeue_sets_the_excluded_nodes_after_requeueing(database: Database, run_id: str) -> None:
+    slurm = RecordingSlurm()
+    Executor(database, slurm).execute(  # type: ignore[arg-type]
+        [v.RequeueJob(run_id, "no spare", job_id="7", exclude=frozenset({"n3", "n1"}))]
+    )
+    assert slurm.calls == [("requeue", "7"), ("set_excluded_nodes", "7", "n1,n3")]
+
+
+def test_restart_workers_waits_in_the_outbox(database: Database, run_id: str) -> None:
+    (outcome,) = Executor(database, RecordingSlurm()).execute(  # type: ignore[arg-type]
+        [v.RestartWorkers(run_id, "slurmft: hang rank 1", node="n2")]
+    )
+    assert outcome.status is ActionStatus.PLANNED
+    assert _actions(database) == [(ActionKind.RESTART_WORKERS, "n2", ActionStatus.PLANNED, None)]
+
+
+def test_stop_at_the_cap_cancels_the_job_and_ends_the_run(database: Database, run_id: str) -> None:
+    slurm = RecordingSlurm()
+    reason = "crash loop: 5 restarts in a row without progress"
+    Executor(database, slurm).execute(  # type: ignore[arg-type]
+        [v.FinishRun(run_id, reason, state=RunState.STOPPED, job_id="7")]
+    )
+    assert slurm.calls == [("cancel", "7")]
+    with database.session() as s:
+        run = s.get(Run, run_id)
+        assert run is not None and (run.state, run.end_reason) == (RunState.STOPPED, reason)
+    assert _actions(database)[0][:3] == (ActionKind.STOP_RUN, None, ActionStatus.DONE)
+
+
+def test_resubmit_without_a_way_to_submit_says_so(database: Database, run_id: str) -> None:
+    (outcome,) = Executor(database, RecordingSlurm()).execute(  # type: ignore[arg-type]
+        [v.SubmitAttempt(run_id, "time limit", exclude=frozenset())]
+    )
+    assert outcome.status is ActionStatus.FAILED
+    assert outcome.error is not None and "waiting for the owner" in outcome.error
+
+
+def test_observe_only_records_everything_and_acts_on_nothing(
+    database: Database, run_id: str
+) -> None:
+    slurm = RecordingSlurm()
+    outcomes = Executor(database, slurm, observe_only=True).execute(
+        [  # type: ignore[arg-type]
+            v.RecordEvent(run_id, XID79, kind=EventKind.GPU_FAULT, node="n2"),
+            v.ExcludeNode(run_id, XID79, node="n2"),
+            v.DrainNode(run_id, XID79, node="n2"),
+            v.RequeueJob(run_id, "x", job_id="7"),
+            v.FinishRun(run_id, "cap", state=RunState.STOPPED, job_id="7"),
+        ]
+    )
+    assert slurm.calls == []
+    assert [o.status for o in outcomes] == [ActionStatus.DONE] + [ActionStatus.SKIPPED] * 4
+    assert {a[2] for a in _actions(database)} == {ActionStatus.SKIPPED}
+    assert {a[3] for a in _actions(database)} == {OBSERVE_ONLY}
+    with database.session() as s:
+        assert denied_nodes(s, run_id=run_id) == frozenset()
+        run = s.get(Run, run_id)
+        assert run is not None and run.state is RunState.RUNNING
+        assert s.scalars(select(Event)).one().kind is EventKind.GPU_FAULT
