@@ -3,7 +3,8 @@
 A rank sends JSON datagrams to a unix datagram socket whose path the agent puts in
 `SLURMFT_AGENT_SOCKET`. Sending never blocks and never raises: when the agent is absent, slow or
 its receive buffer is full, the message is dropped and counted (the next heartbeat supersedes it
-anyway). A step must never wait on telemetry. The schema is documented in docs/train.md.
+anyway). After a send finds no agent, sends are dropped without a system call for one second.
+A step must never wait on telemetry. The schema is documented in docs/train.md.
 
 This module does not import torch: the agent may import it to share the schema constants.
 """
@@ -23,6 +24,10 @@ SOCKET_ENV = "SLURMFT_AGENT_SOCKET"
 # A unix datagram larger than the socket's send buffer fails with EMSGSIZE; staying well under the
 # Linux default (212992 bytes) keeps every message deliverable. Larger messages are dropped.
 MAX_MESSAGE_BYTES = 64 * 1024
+
+# No agent listening: retrying every call would cost a failed system call per step for nothing.
+_ABSENT_ERRNOS = {errno.ENOENT, errno.ECONNREFUSED, errno.ENOTCONN}
+ABSENT_RETRY_S = 1.0
 
 # errnos that mean "no agent listening" or "agent not keeping up": drop, never raise.
 _DROP_ERRNOS = {
@@ -78,6 +83,7 @@ class ReportChannel:
         self.identity = identity if identity is not None else rank_identity()
         self.stats = ChannelStats()
         self._sock: socket.socket | None = None
+        self._retry_at = 0.0  # while the agent is absent, sends before this time are dropped
         if self.socket_path:
             self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
             self._sock.setblocking(False)
@@ -96,6 +102,9 @@ class ReportChannel:
             # No agent configured: the cheapest path, taken by plain torchrun runs.
             self.stats.drop("no_socket")
             return False
+        if self._retry_at and time.monotonic() < self._retry_at:
+            self.stats.drop("agent_absent")
+            return False
         payload = self.encode(kind, fields)
         if len(payload) > MAX_MESSAGE_BYTES:
             self.stats.drop("too_large")
@@ -103,11 +112,14 @@ class ReportChannel:
         try:
             self._sock.sendto(payload, self.socket_path)
         except OSError as error:
+            if error.errno in _ABSENT_ERRNOS:
+                self._retry_at = time.monotonic() + ABSENT_RETRY_S
             if error.errno in _DROP_ERRNOS:
                 self.stats.drop(errno.errorcode.get(error.errno or 0, "oserror"))
                 return False
             self.stats.drop("oserror")
             return False
+        self._retry_at = 0.0
         self.stats.sent += 1
         return True
 

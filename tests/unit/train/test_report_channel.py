@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from slurmft.train import report
 from slurmft.train.report import SCHEMA_VERSION, SOCKET_ENV, ReportChannel, decode
 
 IDENTITY = {"rank": 2, "local_rank": 0, "world_size": 3, "run_id": "r", "restart_count": 0}
@@ -46,10 +47,22 @@ def test_no_agent_configured_drops_and_counts(monkeypatch: pytest.MonkeyPatch) -
     assert channel.stats.dropped == 1
 
 
-def test_a_missing_socket_drops_without_raising(tmp_path: Path) -> None:
-    channel = ReportChannel(str(tmp_path / "nobody.sock"), IDENTITY)
+def test_a_missing_agent_drops_without_raising_and_is_retried_later(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "agent.sock"
+    channel = ReportChannel(str(path), IDENTITY)
     assert not channel.send("heartbeat", phase="step")
-    assert channel.stats.drop_reasons == {"ENOENT": 1}
+    assert not channel.send("heartbeat", phase="step")  # within the retry pause: no syscall
+    assert channel.stats.drop_reasons == {"ENOENT": 1, "agent_absent": 1}
+    receiver = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    receiver.bind(str(path))
+    monkeypatch.setattr(report, "ABSENT_RETRY_S", 0.0)
+    channel._retry_at = time.monotonic()  # the pause is over
+    try:
+        assert channel.send("heartbeat", phase="step")
+    finally:
+        receiver.close()
 
 
 def test_a_full_agent_never_blocks_the_sender(agent_socket: tuple[socket.socket, str]) -> None:
