@@ -291,6 +291,110 @@ SETTINGS: tuple[Setting, ...] = (
         "Never drain past this fraction of the partition (at least one drain is allowed).",
         minimum=0.0,
         maximum=1.0,
+    ),    Setting(
+        "gpu.poll_interval_s",
+        float,
+        5.0,
+        "How often a node's GPU probe looks for new faults (NVML counters, kernel-log Xids, "
+        "DCGM, injection). NVML Xid events arrive on their own thread in between.",
+        minimum=0.5,
+    ),
+    Setting(
+        "gpu.kernel_log_file",
+        str,
+        "",
+        "Read kernel-log Xid lines from this file instead of /dev/kmsg or dmesg: for sites "
+        "with kernel.dmesg_restrict=1, where a root prolog or HealthCheckProgram writes what "
+        "it sees (see docs/gpu.md). Empty: the ring buffer.",
+    ),
+    Setting("gpu.dcgm", bool, True, "Ask DCGM (`dcgmi health -c -j`) where it is installed."),
+    Setting(
+        "gpu.inject",
+        str,
+        "",
+        "Fault injection for tests and drills: a file of faults, or the faults themselves "
+        "('xid=79,gpu=3;kind=ecc_uncorrected,gpu=1'). Empty: none. See docs/gpu.md.",
+    ),
+    Setting(
+        "agent.controller_url",
+        str,
+        "",
+        "Base URL where agents send rank reports (the daemon's ingest, http://host:port). "
+        "Empty: agents report nothing and skip the clock check.",
+    ),
+    Setting(
+        "agent.rdzv_timeout_s",
+        int,
+        600,
+        "torchrun rendezvous join timeout: how long agents wait for all N nodes to join a round "
+        "when no spare is left.",
+        minimum=1,
+    ),
+    Setting(
+        "agent.keep_alive_interval_s",
+        int,
+        1,
+        "Rendezvous keep-alive interval. A node is dead after interval x attempts without one.",
+        minimum=1,
+    ),
+    Setting(
+        "agent.keep_alive_max_attempts",
+        int,
+        4,
+        "Missed keep-alives before a node counts as dead. Below 3, live nodes get removed "
+        "(heartbeats land up to two intervals apart); expiry compares wall clocks across nodes.",
+        minimum=3,
+    ),
+    Setting(
+        "agent.max_restarts",
+        int,
+        1_000_000,
+        "torchrun --max-restarts. High on purpose: every peer-node loss costs each survivor one "
+        "restart; slurmft's own budget (policy.max_restarts_without_progress) stops crash loops.",
+        minimum=0,
+    ),
+    Setting(
+        "agent.rdzv_wait_list_fix",
+        bool,
+        True,
+        "Apply the fix for torch's wait-list restart loop (needed for hot spares). Turn off only "
+        "to reproduce the defect.",
+    ),
+    Setting(
+        "agent.report_interval_s",
+        float,
+        1.0,
+        "How often an agent sends a batch of rank reports (events go at once).",
+        minimum=0.05,
+    ),
+    Setting(
+        "agent.report_buffer_max",
+        int,
+        10_000,
+        "Reports an agent keeps while the controller is away; past it the oldest heartbeats, "
+        "then step times are dropped (events never).",
+        minimum=100,
+    ),
+    Setting(
+        "agent.max_clock_skew_s",
+        float,
+        1.0,
+        "Clock difference to the controller above which preflight reports a skew event.",
+        minimum=0.0,
+    ),
+    Setting(
+        "agent.stop_grace_s",
+        float,
+        15.0,
+        "How long an agent that leaves waits for torchrun to stop its workers before killing them.",
+        minimum=0.0,
+    ),
+    Setting(
+        "agent.stack_dump_wait_s",
+        float,
+        3.0,
+        "How long an agent waits for a hung worker's stack dump before killing it.",
+        minimum=0.1,
     ),
 )
 SETTINGS_BY_KEY: dict[str, Setting] = {s.key: s for s in SETTINGS}
