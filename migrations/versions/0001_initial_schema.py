@@ -291,6 +291,8 @@ def upgrade() -> None:
         sa.Column("node", sa.String(length=128), nullable=False),
         sa.Column("phase", sa.String(length=32), nullable=False),
         sa.Column("step", sa.Integer(), nullable=False),
+        sa.Column("progress_age_s", sa.Float(), nullable=False),
+        sa.Column("deadline_s", sa.Float(), nullable=True),
         sa.Column("seq", sa.BigInteger(), nullable=False),
         sa.Column("sent_at", sa.DateTime(), nullable=False),
         sa.Column("received_at", sa.DateTime(), nullable=False),

@@ -20,7 +20,16 @@ from sqlalchemy.orm import Session
 from slurmft.db.models import RankHeartbeat, RankHeartbeatSample, StepTime, utcnow
 
 _HEARTBEAT_UPDATED = (
-    "attempt_id", "node", "phase", "step", "seq", "sent_at", "received_at", "sampled_at",
+    "attempt_id",
+    "node",
+    "phase",
+    "step",
+    "progress_age_s",
+    "deadline_s",
+    "seq",
+    "sent_at",
+    "received_at",
+    "sampled_at",
 )
 
 
@@ -32,6 +41,8 @@ class HeartbeatReport:
     step: int
     seq: int
     sent_at: datetime
+    progress_age_s: float = 0.0
+    deadline_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -109,6 +120,8 @@ def record_heartbeats(
             "node": hb.node,
             "phase": hb.phase,
             "step": hb.step,
+            "progress_age_s": hb.progress_age_s,
+            "deadline_s": hb.deadline_s,
             "seq": hb.seq,
             "sent_at": hb.sent_at,
             "received_at": received_at,

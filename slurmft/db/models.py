@@ -240,6 +240,10 @@ class RankHeartbeat(Base):
     node: Mapped[str] = mapped_column(String(128))
     phase: Mapped[str] = mapped_column(String(32))
     step: Mapped[int]
+    # As the rank reported them: time without progress in its phase, and that phase's deadline
+    # (a long checkpoint is "checkpoint, 9 min in, deadline 30 min", not silence).
+    progress_age_s: Mapped[float] = mapped_column(Float, default=0.0)
+    deadline_s: Mapped[float | None] = mapped_column(Float)
     seq: Mapped[int] = mapped_column(BigInteger)
     sent_at: Mapped[datetime]
     received_at: Mapped[datetime] = mapped_column(default=utcnow)

@@ -218,13 +218,15 @@ def test_heartbeats_within_one_batch_take_the_highest_seq(database: Database) ->
     with database.session() as s:
         s.add(_run("rH2"))
     beats = [HeartbeatReport(0, "n1", "step", 5, 5, T0),
-             HeartbeatReport(0, "n1", "checkpoint", 6, 6, T0 + timedelta(seconds=1)),
+             HeartbeatReport(0, "n1", "checkpoint", 6, 6, T0 + timedelta(seconds=1),
+                             progress_age_s=540.0, deadline_s=1800.0),
              HeartbeatReport(0, "n1", "step", 4, 4, T0)]
     with database.session() as s:
         record_heartbeats(s, "rH2", None, beats)
     with database.session() as s:
         hb = s.get(RankHeartbeat, ("rH2", 0))
         assert hb is not None and (hb.seq, hb.phase) == (6, "checkpoint")
+        assert (hb.progress_age_s, hb.deadline_s) == (540.0, 1800.0)
 
 
 def test_step_times_fold_into_minutes(database: Database) -> None:
