@@ -287,6 +287,9 @@ def parse_node_state(value: str | Iterable[str]) -> NodeStatus:
         # An explicit base (IDLE, DOWN, ...) beats one implied by a sinfo word (drained).
         if word_base is not None and (base is None or word in NodeBase.__members__):
             base = word_base
+    if base is None and flags & {NodeFlag.DRAIN, NodeFlag.COMPLETING}:
+        # A lone `drain` (sinfo %t for drained) or `completing`: no job is running there.
+        base = NodeBase.IDLE
     return NodeStatus(base or NodeBase.UNKNOWN, frozenset(flags), frozenset(unknown))
 
 

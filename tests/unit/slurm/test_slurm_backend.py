@@ -1,0 +1,127 @@
+"""The CLI backend end to end, on recorded real output replayed through the one runner seam."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+from slurm_recordings import ReplayRunner, job_id_of, jobs_asked, load_recording
+
+from slurmft.slurm.api import (
+    SlurmBadRequest,
+    SlurmClient,
+    SlurmJobNotFound,
+    SlurmPermissionDenied,
+    SlurmUnreachable,
+    SubmitRequest,
+)
+from slurmft.slurm.cli_backend import CliSlurmClient
+from slurmft.slurm.script import render_batch_script
+from slurmft.slurm.states import JobState
+
+Replay = Callable[..., tuple[CliSlurmClient, ReplayRunner]]
+
+
+def test_cli_backend_implements_the_protocol() -> None:
+    assert isinstance(CliSlurmClient(), SlurmClient)
+
+
+def test_version(replay: Replay) -> None:
+    client, runner = replay("sinfo_version")
+    assert str(client.version()) == "22.05.8"
+    assert str(client.version()) == "22.05.8"  # asked once, then remembered
+    assert runner.exhausted
+
+
+def test_submit_sends_the_recorded_argv(replay: Replay) -> None:
+    client, runner = replay("sbatch_parsable")
+    # The same request record.py submitted.
+    script = render_batch_script(["srun", "-N3", "-n3", "sleep", "600"])
+    job_id = client.submit(
+        SubmitRequest(script=script, job_name="slurmft-fixture", run_id="run-0001", nodes=2,
+                      spare_nodes=1, signal="B:USR1@60", output="/dev/null")
+    )  # fmt: skip
+    assert job_id == load_recording("sbatch_parsable").stdout.strip()
+    assert runner.exhausted
+
+
+def test_jobs_many_in_one_call(replay: Replay) -> None:
+    client, runner = replay("squeue_many")
+    asked = jobs_asked(load_recording("squeue_many"))
+    jobs = client.jobs(asked)
+    assert len(runner.calls) == 1
+    assert set(jobs) == set(asked) - {"999999"}
+
+
+def test_a_single_unknown_job_is_simply_absent(replay: Replay) -> None:
+    client, _ = replay("squeue_unknown_single")
+    assert client.jobs(["999999"]) == {}
+
+
+def test_unreachable_controller_is_never_an_empty_answer(replay: Replay) -> None:
+    client, _ = replay("squeue_unreachable")
+    with pytest.raises(SlurmUnreachable):
+        client.jobs(jobs_asked(load_recording("squeue_unreachable")))
+
+
+def test_job_detail_and_unknown_job(replay: Replay) -> None:
+    client, _ = replay("show_job_rerun", "show_job_unknown")
+    job = client.job(job_id_of(load_recording("show_job_rerun")))
+    assert (job.state, job.restarts) == (JobState.RUNNING, 1)
+    with pytest.raises(SlurmJobNotFound):
+        client.job("999999")
+
+
+def test_batch_host_down(replay: Replay) -> None:
+    client, runner = replay("show_job_batch_host_down", "show_node_down")
+    assert client.batch_host_down(job_id_of(load_recording("show_job_batch_host_down")))
+    assert runner.exhausted
+
+
+def test_batch_host_alive(replay: Replay) -> None:
+    client, _ = replay("show_job_running", "show_node_allocated")
+    assert not client.batch_host_down(job_id_of(load_recording("show_job_running")))
+
+
+def test_batch_host_of_a_pending_job_is_not_asked_about(replay: Replay) -> None:
+    client, runner = replay("show_job_pending_held")
+    assert not client.batch_host_down(job_id_of(load_recording("show_job_pending_held")))
+    assert runner.exhausted
+
+
+def test_nodes(replay: Replay) -> None:
+    client, _ = replay("sinfo_nodes_down", "show_node_drained")
+    nodes = client.nodes()
+    assert nodes["n1"].status.down
+    assert client.node("n6").status.drained
+
+
+def test_node_and_job_actions(replay: Replay) -> None:
+    client, runner = replay(
+        "drain_idle", "drain_unknown_node", "requeue", "update_exclude_pending",
+        "update_exclude_running", "cancel",
+    )  # fmt: skip
+    client.drain("n6", "it's \"bad\" $(touch /tmp/x); a|b rm -rf / Foo=bar `id`")
+    with pytest.raises(SlurmBadRequest):
+        client.drain("nosuchnode", "x")
+    client.requeue(job_id_of(load_recording("requeue")))
+    pending = load_recording("update_exclude_pending").argv[2].removeprefix("JobId=")
+    client.set_excluded_nodes(pending, ["n6", "n5"])
+    running = load_recording("update_exclude_running").argv[2].removeprefix("JobId=")
+    with pytest.raises(SlurmBadRequest):
+        client.set_excluded_nodes(running, ["n6"])
+    client.cancel(job_id_of(load_recording("cancel")))
+    assert runner.exhausted
+
+
+def test_permission_denied_is_typed() -> None:
+    recording = load_recording("drain_not_admin")
+
+    class AsNonAdmin(ReplayRunner):
+        def run(self, argv, timeout, *, stdin=None):  # type: ignore[no-untyped-def]
+            assert ["runuser", "-u", "daemon", "--", *argv] == list(recording.argv)
+            return recording
+
+    client = CliSlurmClient(AsNonAdmin([]))
+    with pytest.raises(SlurmPermissionDenied):
+        client.drain("n5", "x")
