@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -46,7 +46,7 @@ class StepTimer:
         self._compute = 0.0
         self._wait = 0.0
         self._events: dict[str, list[tuple[torch.cuda.Event, torch.cuda.Event]]] = {}
-        self._pending: tuple[int, float, dict] | None = None
+        self._pending: tuple[int, float, dict[str, list]] | None = None
         self.last: StepTiming | None = None
 
     def start_step(self, step: int) -> None:
@@ -72,10 +72,10 @@ class StepTimer:
         else:
             self._wait += elapsed
 
-    def compute(self) -> contextmanager:
+    def compute(self) -> AbstractContextManager[None]:
         return self._section("compute")
 
-    def wait(self) -> contextmanager:
+    def wait(self) -> AbstractContextManager[None]:
         return self._section("wait")
 
     def current_compute_s(self) -> float:
