@@ -85,7 +85,7 @@ class XidParser:
     """
 
     def __init__(self) -> None:
-        self._fell_bus: str | None = None
+        self._fell: tuple[str, KernelLine] | None = None  # bus and head line of the 3-liner
 
     def feed(self, line: str) -> XidRecord | None:
         kline = split_framing(line)
@@ -97,11 +97,11 @@ class XidParser:
         if m := _FELL_ONE_LINE.search(msg):
             return _bus_loss(m["bus"], line, kline)
         if m := _FELL_HEAD.search(msg):
-            self._fell_bus = m["bus"]
+            self._fell = (m["bus"], kline)
             return None
-        if self._fell_bus is not None and _FELL_TAIL.search(msg):
-            bus, self._fell_bus = self._fell_bus, None
-            return _bus_loss(bus, line, kline)
+        if self._fell is not None and _FELL_TAIL.search(msg):
+            (bus, head), self._fell = self._fell, None
+            return _bus_loss(bus, line, head)  # the head line carries the timestamp
         return None
 
     def feed_text(self, text: str) -> list[XidRecord]:

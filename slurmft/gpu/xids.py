@@ -102,6 +102,8 @@ class XidVerdict:
     fault_class: str  # a slurmft.db.models.FaultClass value
 
 
+NVLINK5_XIDS = frozenset(range(144, 151))
+_NONFATAL = re.compile(r"\bNonfatal\b")
 # "GPU recovery action changed from 0x0 (None) to 0x2 (Node Reboot Required)"
 _XID154_TARGET = re.compile(r"\bto\s+(0x[0-9a-fA-F]+)\s*(?:\(([^)]*)\))?")
 
@@ -114,6 +116,10 @@ def classify_xid(xid: int, message: str = "") -> XidVerdict:
     action, summary = rule.action, rule.summary
     if xid == 154:
         action, summary = _xid154(message, summary)
+    elif xid in NVLINK5_XIDS and _NONFATAL.search(message):
+        # The catalog's subcode table marks the "Nonfatal" 144-150 subcodes IGNORE; the driver
+        # prints the word: "144, SAW_MVB Nonfatal XC0 i0 Link 0 (0x00000001 0x00000008 ...)".
+        action, summary = FaultAction.RECORD, f"{summary} (non-fatal)"
     return XidVerdict(xid, action, summary, True, _fault_class(xid, action))
 
 
