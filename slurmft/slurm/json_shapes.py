@@ -60,8 +60,8 @@ def nodes_from_json(document: Mapping[str, Any]) -> dict[str, NodeInfo]:
         nodes[node["name"]] = NodeInfo(
             name=node["name"],
             status=parse_node_state(words),
-            reason=str(node.get("reason", "")),
-            reason_user=str(node.get("reason_set_by_user", "")),
+            reason=str(node.get("reason") or ""),
+            reason_user=str(node.get("reason_set_by_user") or ""),  # null in 21.08
             reason_time=str(number(node.get("reason_changed_at")) or ""),
             raw={key: str(value) for key, value in node.items() if isinstance(value, str | int)},
         )
