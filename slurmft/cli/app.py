@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from slurmft import __version__
-from slurmft.cli import config_cmd, db_cmd, gpu_cmd, history_cmd
+from slurmft.cli import agent_cmd, config_cmd, db_cmd, gpu_cmd, history_cmd
 from slurmft.cli.context import CliState
 
 app = typer.Typer(
@@ -19,6 +19,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     context_settings={"help_option_names": ["-h", "--help"]},
 )
+app.add_typer(agent_cmd.app, name="agent")
 app.add_typer(config_cmd.app, name="config")
 app.add_typer(db_cmd.app, name="db")
 app.add_typer(history_cmd.app, name="history")

@@ -1,0 +1,288 @@
+"""The node agent: preflight, torchrun, rank reports to the controller, hangs, leaving.
+
+One agent runs per node of the allocation. It checks the node (GPU probe, clock skew), runs
+torchrun through the launcher (which applies the wait-list fix), receives what the local ranks
+report over the node-local channel and forwards it in batches, saves the stacks of hung workers
+before it kills them, and stops its workers and exits when the controller says `leave` or when
+it gets SIGTERM, so that a spare takes this node's place.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from slurmft.agent.channel import RankChannelServer
+from slurmft.agent.clock import measure_skew
+from slurmft.agent.command import TorchrunSpec, launcher_argv, torchrun_env
+from slurmft.agent.evidence import EVENT_TEXT_LIMIT, dump_stacks, ensure_dir
+from slurmft.agent.exits import AgentExit
+from slurmft.agent.probe import NoGpuProbe, Probe
+from slurmft.agent.procs import is_alive, kill_tree
+from slurmft.agent.reporter import HttpTransport, Reporter, RetryableError
+from slurmft.db.models import EventKind, FaultClass
+from slurmft.protocol import AgentEvent, Command, CommandKind, RankHeartbeat
+
+log = logging.getLogger("slurmft.agent")
+
+POLL_S = 0.1
+# The controller repeats a pending command in every reply until it sees its effect; one restart
+# per this window answers it.
+RESTART_COMMAND_COOLDOWN_S = 60.0
+
+
+@dataclass(frozen=True)
+class AgentSettings:
+    spec: TorchrunSpec
+    node: str
+    run_id: str
+    work_dir: Path  # node-local; short, because it holds the unix socket
+    controller_url: str = ""
+    token: str = ""
+    report_interval_s: float = 1.0
+    max_buffered: int = 10_000
+    max_clock_skew_s: float = 1.0
+    stop_grace_s: float = 15.0
+    stack_wait_s: float = 3.0
+    python: str = sys.executable
+
+    @property
+    def socket_path(self) -> Path:
+        return self.work_dir / "ranks.sock"
+
+    @property
+    def stacks_dir(self) -> Path:
+        return self.work_dir / "stacks"
+
+
+@dataclass
+class WorkerSeen:
+    """The latest heartbeat of one local worker."""
+
+    rank: int
+    pid: int
+    restart_count: int
+    overdue: bool
+    phase: str
+    progress_age_s: float
+
+
+@dataclass
+class AgentState:
+    workers: dict[int, WorkerSeen] = field(default_factory=dict)  # by local rank
+    restart_counts_seen: set[int] = field(default_factory=set)
+    killed_pids: set[int] = field(default_factory=set)
+    stop_reason: str = ""
+    restart_requested: str = ""  # a restart_workers command not yet carried out
+    last_commanded_restart: float = float("-inf")
+
+
+class NodeAgent:
+    def __init__(self, settings: AgentSettings, probe: Probe | None = None):
+        self.settings = settings
+        self.probe = probe or NoGpuProbe()
+        self.state = AgentState()
+        self.transport: HttpTransport | None = None
+        self.reporter: Reporter | None = None
+        if settings.controller_url:
+            self.transport = HttpTransport(settings.controller_url, settings.token)
+            self.reporter = Reporter(
+                self.transport,
+                run_id=settings.run_id,
+                node=settings.node,
+                on_command=self.on_command,
+                interval_s=settings.report_interval_s,
+                max_buffered=settings.max_buffered,
+            )
+        self._stop = threading.Event()
+
+    # -- reports ---------------------------------------------------------------------------------
+    def event(self, kind: EventKind, message: str, *, rank: int | None = None,
+              fault_class: FaultClass | None = None, **details: Any) -> None:
+        log.info("%s: %s", kind.value, message)
+        if self.reporter is not None:
+            self.reporter.add_event(
+                AgentEvent(
+                    kind=kind.value,
+                    occurred_at=time.time(),
+                    message=message,
+                    rank=rank,
+                    fault_class=fault_class.value if fault_class else None,
+                    details={"node": self.settings.node, **details},
+                )
+            )
+
+    def on_command(self, command: Command) -> None:
+        if command.kind == CommandKind.LEAVE:
+            self.request_stop(f"leave: {command.reason or 'asked by the controller'}")
+        elif command.kind == CommandKind.RESTART_WORKERS:
+            now = time.monotonic()
+            if now - self.state.last_commanded_restart >= RESTART_COMMAND_COOLDOWN_S:
+                self.state.last_commanded_restart = now
+                self.state.restart_requested = command.reason or "asked by the controller"
+        else:
+            log.warning("unknown command %r ignored", command.kind)
+
+    def request_stop(self, reason: str) -> None:
+        if not self.state.stop_reason:
+            self.state.stop_reason = reason
+        self._stop.set()
+
+    # -- preflight ---------------------------------------------------------------------------------
+    def preflight(self) -> bool:
+        report = self.probe.probe()
+        if not report.has_gpus:
+            log.info("%s", report.note or "no GPU on this node")
+        for fault in report.faults:
+            self.event(EventKind.GPU_FAULT, fault.message, fault_class=FaultClass.HARDWARE,
+                       gpu_index=fault.gpu_index, xid=fault.xid)
+        if not report.fit:
+            self.event(EventKind.PREFLIGHT_FAILED, "GPU preflight failed: node unfit to train",
+                       fault_class=FaultClass.HARDWARE)
+            return False
+        self.check_clock()
+        return True
+
+    def check_clock(self) -> None:
+        if self.transport is None:
+            return
+        try:
+            skew = measure_skew(self.transport.server_time)
+        except RetryableError as error:
+            log.warning("controller unreachable (%s): clock skew not checked", error)
+            return
+        if skew.too_large(self.settings.max_clock_skew_s):
+            # Not fatal: the run may still work, but keep-alive expiry becomes unreliable.
+            self.event(
+                EventKind.PREFLIGHT_FAILED,
+                f"clock {skew.offset_s:+.2f} s off the controller's (limit "
+                f"{self.settings.max_clock_skew_s} s): rendezvous keep-alive may misjudge nodes",
+                fault_class=FaultClass.INFRASTRUCTURE,
+                check="clock_skew",
+                offset_s=skew.offset_s,
+                round_trip_s=skew.round_trip_s,
+                fatal=False,
+            )
+
+    # -- the run ---------------------------------------------------------------------------------
+    def run(self) -> AgentExit:
+        ensure_dir(self.settings.work_dir)
+        ensure_dir(self.settings.stacks_dir)
+        if self.reporter is not None:
+            self.reporter.start()
+        try:
+            if not self.preflight():
+                return AgentExit.PREFLIGHT_FAILED
+            channel = RankChannelServer(str(self.settings.socket_path))
+            try:
+                return self._run_torchrun(channel)
+            finally:
+                channel.close()
+        finally:
+            if self.reporter is not None:
+                self.reporter.stop(flush_timeout_s=5.0)
+
+    def _run_torchrun(self, channel: RankChannelServer) -> AgentExit:
+        settings = self.settings
+        env = torchrun_env(dict(os.environ), agent_socket=str(settings.socket_path),
+                           stacks_dir=str(settings.stacks_dir))
+        argv = launcher_argv(settings.spec, settings.python)
+        log.info("starting torchrun: %s", " ".join(argv))
+        process = subprocess.Popen(argv, env=env)
+        while True:
+            returncode = process.poll()
+            self._take_reports(channel)
+            if returncode is not None:
+                return self._exit_code(returncode)
+            self._kill_hung_workers()
+            if self._stop.wait(POLL_S):
+                self._stop_torchrun(process)
+                self._take_reports(channel)
+                self.event(EventKind.NODE_LOST, f"agent left ({self.state.stop_reason})",
+                           reason=self.state.stop_reason)
+                return AgentExit.LEFT
+
+    def _exit_code(self, returncode: int) -> AgentExit:
+        if returncode == 0:
+            return AgentExit.FINISHED
+        if returncode == AgentExit.SPARE_REFUSED and self.settings.spec.spare_candidate:
+            self.event(EventKind.PREFLIGHT_FAILED,
+                       "spare refused: the wait-list fix does not know this torch",
+                       fault_class=FaultClass.INFRASTRUCTURE)
+            return AgentExit.SPARE_REFUSED
+        log.error("torchrun exited with %d", returncode)
+        return AgentExit.FAILED
+
+    def _stop_torchrun(self, process: subprocess.Popen[bytes]) -> None:
+        """SIGTERM: torchrun stops its workers without closing the rendezvous (a closed
+        rendezvous would end every other agent too); past the grace period, kill the tree."""
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=self.settings.stop_grace_s)
+        except subprocess.TimeoutExpired:
+            log.warning("torchrun did not stop in %.0f s: killing it and its workers",
+                        self.settings.stop_grace_s)
+            kill_tree(process.pid)
+            process.wait(timeout=10)
+        for worker in self.state.workers.values():  # workers orphaned by a killed torchrun
+            if is_alive(worker.pid):
+                kill_tree(worker.pid)
+
+    # -- rank reports and hangs -------------------------------------------------------------------
+    def _take_reports(self, channel: RankChannelServer) -> None:
+        for _message, record in channel.drain():
+            if record is None:
+                continue
+            if isinstance(record, RankHeartbeat):
+                self._saw_heartbeat(record)
+            if self.reporter is not None:
+                self.reporter.add(record)
+
+    def _saw_heartbeat(self, hb: RankHeartbeat) -> None:
+        self.state.workers[hb.local_rank] = WorkerSeen(
+            hb.rank, hb.pid, hb.restart_count, hb.overdue, hb.phase, hb.progress_age_s
+        )
+        if hb.restart_count and hb.restart_count not in self.state.restart_counts_seen:
+            self.state.restart_counts_seen.add(hb.restart_count)
+            self.event(EventKind.RESTART, f"workers restarted (restart {hb.restart_count})",
+                       rank=hb.rank, restart_count=hb.restart_count)
+        else:
+            self.state.restart_counts_seen.add(hb.restart_count)
+
+    def _kill_hung_workers(self) -> None:
+        alive = [w for w in self.state.workers.values()
+                 if w.pid not in self.state.killed_pids and is_alive(w.pid)]
+        hung = [w for w in alive if w.overdue]
+        if hung:
+            first = hung[0]
+            why = f"rank {first.rank} stuck in {first.phase} for {first.progress_age_s:.0f} s"
+        elif self.state.restart_requested and alive:
+            hung, why = alive, f"controller: {self.state.restart_requested}"
+        else:
+            return
+        self.state.restart_requested = ""
+        dumps = dump_stacks({w.rank: w.pid for w in alive}, self.settings.stacks_dir,
+                            wait_s=self.settings.stack_wait_s)
+        self.event(
+            EventKind.HANG,
+            f"{why}: stacks saved, killing {len(hung)} worker(s)",
+            rank=hung[0].rank,
+            fault_class=FaultClass.HANG,
+            hung_ranks=[w.rank for w in hung],
+            stack_files={str(d.rank): str(d.path) for d in dumps},
+            stacks={str(d.rank): d.text[:EVENT_TEXT_LIMIT] for d in dumps},
+        )
+        for worker in hung:
+            self.state.killed_pids.add(worker.pid)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(worker.pid, signal.SIGKILL)  # torchrun makes each worker a session
+            kill_tree(worker.pid)

@@ -1,0 +1,132 @@
+"""The agent's end of the ranks' report channel (sender: slurmft.train.report).
+
+Ranks send JSON datagrams to a unix datagram socket whose path the agent puts in
+SLURMFT_AGENT_SOCKET. The agent binds it, drains it without blocking, and turns each message
+into a wire-format record (slurmft.protocol). A malformed datagram is counted and skipped: a
+rank's bug must not stop the agent.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+from dataclasses import dataclass, field
+from typing import Any
+
+from slurmft.db.models import EventKind, FaultClass
+from slurmft.protocol import AgentEvent, RankHeartbeat, RankStepTime
+from slurmft.train.report import MAX_MESSAGE_BYTES, decode
+
+log = logging.getLogger(__name__)
+
+# A burst of heartbeats from many local ranks must not overflow the kernel queue.
+RECEIVE_BUFFER_BYTES = 4 * 1024 * 1024
+
+# Rank events (slurmft.train) and what they are to the daemon. Others are counted, not sent.
+RANK_EVENT_KINDS: dict[str, tuple[EventKind, FaultClass | None]] = {
+    "collective_error": (EventKind.RANK_FAILURE, None),  # a peer died or a collective timed out
+    "checkpoint_saved": (EventKind.CHECKPOINT, None),
+    "checkpoint_invalid": (EventKind.RANK_FAILURE, FaultClass.INFRASTRUCTURE),
+}
+_ENVELOPE = {"v", "kind", "time", "rank", "local_rank", "world_size", "run_id", "restart_count",
+             "pid", "host"}
+
+Record = RankHeartbeat | RankStepTime | AgentEvent
+
+
+@dataclass
+class ChannelCounters:
+    received: int = 0
+    malformed: int = 0
+    ignored: dict[str, int] = field(default_factory=dict)
+
+
+def to_record(message: dict[str, Any]) -> Record | None:
+    """One decoded rank message as a wire record; None for kinds the daemon does not take."""
+    kind = message["kind"]
+    if kind == "heartbeat":
+        return RankHeartbeat(
+            rank=int(message["rank"]),
+            local_rank=int(message["local_rank"]),
+            phase=str(message["phase"]),
+            step=int(message["step"]),
+            progress_age_s=float(message["progress_age_s"]),
+            deadline_s=float(message["deadline_s"]),
+            overdue=bool(message["overdue"]),
+            sent_at=float(message["time"]),
+            restart_count=int(message.get("restart_count", 0)),
+            pid=int(message.get("pid", 0)),
+        )
+    if kind == "step":
+        return RankStepTime(
+            rank=int(message["rank"]),
+            step=int(message["step"]),
+            compute_s=float(message["compute_s"]),
+            wait_s=float(message["wait_s"]),
+            ended_at=float(message["time"]),
+        )
+    if kind == "straggler":
+        details = {k: v for k, v in message.items() if k not in _ENVELOPE}
+        return AgentEvent(
+            kind=EventKind.STRAGGLER.value,
+            occurred_at=float(message["time"]),
+            message=f"rank {message['straggler_rank']} is {message['ratio']:.2f}x its peers",
+            rank=int(message["straggler_rank"]),
+            fault_class=FaultClass.STRAGGLER.value,
+            details=details,
+        )
+    if kind == "event" and message.get("event") in RANK_EVENT_KINDS:
+        event_kind, fault_class = RANK_EVENT_KINDS[message["event"]]
+        details = {k: v for k, v in message.items() if k not in _ENVELOPE}
+        return AgentEvent(
+            kind=event_kind.value,
+            occurred_at=float(message["time"]),
+            message=str(message["event"]),
+            rank=int(message["rank"]),
+            fault_class=fault_class.value if fault_class else None,
+            details=details,
+        )
+    return None
+
+
+class RankChannelServer:
+    """Binds the node-local socket; `drain()` returns what arrived since the last call."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.counters = ChannelCounters()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, RECEIVE_BUFFER_BYTES)
+        self._sock.bind(path)
+        os.chmod(path, 0o600)  # only the job's user may report
+        self._sock.setblocking(False)
+
+    def drain(self, limit: int = 10_000) -> list[tuple[dict[str, Any], Record | None]]:
+        out: list[tuple[dict[str, Any], Record | None]] = []
+        while len(out) < limit:
+            try:
+                payload = self._sock.recv(MAX_MESSAGE_BYTES + 1)
+            except BlockingIOError:
+                break
+            self.counters.received += 1
+            try:
+                message = decode(payload)
+                record = to_record(message)
+            except (ValueError, KeyError, TypeError) as error:
+                self.counters.malformed += 1
+                log.debug("malformed rank message %r: %s", payload[:120], error)
+                continue
+            if record is None:
+                name = str(message.get("event") or message.get("kind"))
+                self.counters.ignored[name] = self.counters.ignored.get(name, 0) + 1
+            out.append((message, record))
+        return out
+
+    def close(self) -> None:
+        self._sock.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)

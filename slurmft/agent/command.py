@@ -1,0 +1,132 @@
+"""The torchrun command line and environment an agent runs (pure; golden-tested).
+
+Every value here is a measured choice (../shared/notes/torchrun.md):
+- c10d rendezvous on the batch step's standalone store (`is_host=false`): an agent-hosted store
+  dies with its node and takes every agent with it.
+- `--nnodes=N:N`: exactly N nodes train; agents beyond N wait in the rendezvous redundancy list
+  as hot spares (no worker, no join timeout) and take a free rank when a node leaves.
+- keep-alive 1 s × 4 attempts: a dead node is noticed in about 4 s. Heartbeats land up to two
+  intervals apart, so 1 × 2 and 1 × 1 remove live nodes; 1 × 3 was stable on loopback; expiry
+  compares wall clocks across nodes, so a real cluster starts at 1 × 4.
+- `--max-restarts` high: every peer-node loss costs each survivor one torchrun restart, so
+  torchrun's counter must not be the cap (slurmft counts restarts without progress).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+LAUNCHER_MODULE = "slurmft.agent.launcher"
+
+# torch 2.13 defect: with the agent's store shared with the workers, a joining spare never got
+# the new MASTER_ADDR and survivors restarted in a loop on different MASTER_PORTs.
+REQUIRED_ENV: dict[str, str] = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+
+# NCCL error handling, timeouts and flight recorder; a user's own value wins. Untestable on
+# the CPU build here (gloo): the values follow torch's documentation in ProcessGroupNCCL.hpp.
+NCCL_ENV: dict[str, str] = {
+    # 1 = on a collective error or timeout, abort the communicators and end the process, so
+    # torchrun sees a dead worker and restarts (2 only cleans up, 3 skips the clean-up).
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
+    # A monitor thread aborts the process when the NCCL watchdog itself is stuck (a CUDA or
+    # NCCL call that never returns) for TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC.
+    "TORCH_NCCL_ENABLE_MONITORING": "1",
+    # 3 minutes instead of torch's 8: a stuck watchdog is a hung node; the step deadline of
+    # slurmft.train is the finer detector.
+    "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": "180",
+    # On a collective timeout, dump the flight recorder (needs monitoring and a buffer > 0).
+    "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+    # Flight recorder: the last 2000 collectives per process group (torch's default size;
+    # TORCH_FR_BUFFER_SIZE is 2.13's name for TORCH_NCCL_TRACE_BUFFER_SIZE).
+    "TORCH_FR_BUFFER_SIZE": "2000",
+    # Give the dump up to 15 s before the process exits on a timeout.
+    "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC": "15000",
+}
+# Where the flight recorder writes (prefix + rank): the agent's evidence directory.
+FLIGHT_RECORDER_FILE_ENV = "TORCH_FR_DUMP_TEMP_FILE"
+NCCL_DEBUG_FILE_ENV = "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"
+
+# The training library's node-local channel and stack-dump directory (slurmft.train).
+AGENT_SOCKET_ENV = "SLURMFT_AGENT_SOCKET"
+STACKS_DIR_ENV = "SLURMFT_STACKS_DIR"
+
+DEFAULT_MAX_RESTARTS = 1_000_000
+
+
+@dataclass(frozen=True)
+class TorchrunSpec:
+    """What one agent's torchrun needs to know; `script` is the user's command after torchrun's
+    own flags: `("train.py", "--lr", "0.1")` or `("-m", "pkg.train", ...)`."""
+
+    nodes: int
+    nproc_per_node: int
+    rdzv_endpoint: str  # host:port of the standalone store
+    rdzv_id: str
+    script: tuple[str, ...]
+    rdzv_timeout_s: int = 600
+    keep_alive_interval_s: int = 1
+    keep_alive_max_attempts: int = 4
+    max_restarts: int = DEFAULT_MAX_RESTARTS
+    local_addr: str = ""
+    wait_list_fix: bool = True
+    # An agent beyond the first N: without the wait-list fix it must not join at all.
+    spare_candidate: bool = False
+
+    def __post_init__(self) -> None:
+        if self.nodes < 1 or self.nproc_per_node < 1:
+            raise ValueError("nodes and nproc_per_node must be at least 1")
+        if not self.script:
+            raise ValueError("no training script given")
+        if self.keep_alive_interval_s < 1 or self.keep_alive_max_attempts < 1:
+            raise ValueError("keep-alive interval and attempts must be at least 1")
+
+
+def rdzv_conf(spec: TorchrunSpec) -> str:
+    return ",".join(
+        [
+            "is_host=false",
+            f"join_timeout={spec.rdzv_timeout_s}",
+            f"keep_alive_interval={spec.keep_alive_interval_s}",
+            f"keep_alive_max_attempt={spec.keep_alive_max_attempts}",
+        ]
+    )
+
+
+def torchrun_args(spec: TorchrunSpec) -> list[str]:
+    """torchrun's own argv (what follows `torchrun`)."""
+    args = [
+        f"--nnodes={spec.nodes}:{spec.nodes}",
+        f"--nproc-per-node={spec.nproc_per_node}",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint={spec.rdzv_endpoint}",
+        f"--rdzv-id={spec.rdzv_id}",
+        f"--rdzv-conf={rdzv_conf(spec)}",
+        f"--max-restarts={spec.max_restarts}",
+    ]
+    if spec.local_addr:
+        args.append(f"--local-addr={spec.local_addr}")
+    return [*args, *spec.script]
+
+
+def launcher_argv(spec: TorchrunSpec, python: str) -> list[str]:
+    """`python -m slurmft.agent.launcher [flags] -- <torchrun args>`: torchrun's main, run after
+    the launcher has applied (or refused) the wait-list fix."""
+    flags = ["--wait-list-fix" if spec.wait_list_fix else "--no-wait-list-fix"]
+    if spec.spare_candidate:
+        flags.append("--spare-candidate")
+    return [python, "-m", LAUNCHER_MODULE, *flags, "--", *torchrun_args(spec)]
+
+
+def torchrun_env(
+    base: Mapping[str, str], *, agent_socket: str, stacks_dir: str
+) -> dict[str, str]:
+    """torchrun's environment: the user's, NCCL defaults under it, slurmft's requirements over it.
+    torchrun passes it on to the workers."""
+    env = {**NCCL_ENV, FLIGHT_RECORDER_FILE_ENV: f"{stacks_dir}/nccl-trace-rank-"}
+    env[NCCL_DEBUG_FILE_ENV] = env[FLIGHT_RECORDER_FILE_ENV]
+    env.update(base)
+    env.update(REQUIRED_ENV)
+    env[AGENT_SOCKET_ENV] = agent_socket
+    env[STACKS_DIR_ENV] = stacks_dir
+    return env

@@ -1,0 +1,68 @@
+"""Python stacks of hung workers, saved before they are killed.
+
+The training library installs a faulthandler dump on SIGUSR2 (slurmft.train.stacks): it writes
+from C inside the signal handler, so it works while the main thread is stuck in a collective.
+The agent signals each worker, waits until its stack file stops growing, and keeps the text.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from slurmft.agent.procs import signal_pids
+from slurmft.train.stacks import DEFAULT_SIGNAL, stack_file_path
+
+# How much of each dump goes into the event; the whole file stays in the stacks directory.
+EVENT_TEXT_LIMIT = 8_000
+
+
+@dataclass(frozen=True)
+class StackDump:
+    rank: int
+    pid: int
+    path: Path
+    text: str  # what this dump added to the file; empty if the worker never answered
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+def dump_stacks(
+    pids_by_rank: dict[int, int], stacks_dir: Path, wait_s: float = 3.0, settle_s: float = 0.2
+) -> list[StackDump]:
+    """Ask every worker for its stacks; returns within about `wait_s`."""
+    paths = {rank: stack_file_path(rank, pid, stacks_dir) for rank, pid in pids_by_rank.items()}
+    before = {rank: _size(path) for rank, path in paths.items()}
+    signal_pids(list(pids_by_rank.values()), DEFAULT_SIGNAL)
+    deadline = time.monotonic() + wait_s
+    last = dict(before)
+    stable_since = time.monotonic()
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
+        now = {rank: _size(path) for rank, path in paths.items()}
+        if now != last:
+            last, stable_since = now, time.monotonic()
+        elif all(now[r] > before[r] for r in now) and time.monotonic() - stable_since >= settle_s:
+            break
+    dumps = []
+    for rank, path in paths.items():
+        text = ""
+        if last[rank] > before[rank]:
+            with path.open("rb") as stream:
+                stream.seek(before[rank])
+                text = stream.read().decode(errors="replace")
+        dumps.append(StackDump(rank, pids_by_rank[rank], path, text))
+    return dumps
+
+
+def ensure_dir(path: Path) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    os.chmod(path, 0o700)
+    return path

@@ -1,0 +1,74 @@
+"""torchrun's main, run after the wait-list fix is applied (or refused) in the same process.
+
+    python -m slurmft.agent.launcher [--no-wait-list-fix] [--spare-candidate] -- <torchrun args>
+
+Only torchrun's process imports this module's torch parts (inside `main`), so the daemon and
+the agent stay torch-free. When torch's internals differ from what the fix knows, an agent that
+could only be a spare (`--spare-candidate`: beyond the first N nodes) exits with
+AgentExit.SPARE_REFUSED, and the first N run as a job without spares: with exactly N agents the
+wait-list defect cannot trigger.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from slurmft.agent.exits import AgentExit
+
+PREFIX = "slurmft launcher:"
+
+
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    if "--" not in argv:
+        raise SystemExit(f"{PREFIX} usage: [--no-wait-list-fix] [--spare-candidate] -- <torchrun>")
+    split = argv.index("--")
+    parser = argparse.ArgumentParser(prog="python -m slurmft.agent.launcher")
+    parser.add_argument("--wait-list-fix", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--spare-candidate", action="store_true")
+    return parser.parse_args(argv[:split]), argv[split + 1 :]
+
+
+def say(message: str) -> None:
+    print(f"{PREFIX} {message}", file=sys.stderr, flush=True)
+
+
+def prepare_rendezvous(wait_list_fix: bool, spare_candidate: bool) -> AgentExit | None:
+    """Apply the fix or decide this agent may not run; returns an exit code to stop with."""
+    import torch  # noqa: TID251 (torchrun's process, never the agent's)
+
+    from slurmft.agent import rdzv_fix
+
+    if not wait_list_fix:
+        say("wait-list fix disabled: with more agents than nodes torch may restart in a loop")
+        return None
+    module = rdzv_fix.load_module()
+    problems = rdzv_fix.check_internals(module)
+    if not problems:
+        rdzv_fix.apply(module)
+        say(f"wait-list fix applied (torch {torch.__version__})")
+        return None
+    say(
+        f"the wait-list fix does not know torch {torch.__version__}'s rendezvous internals ("
+        + "; ".join(problems)
+        + "): running without hot spares"
+    )
+    if spare_candidate:
+        say("this agent is a spare candidate: not joining (spares need the fix)")
+        return AgentExit.SPARE_REFUSED
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    options, torchrun_args = parse_args(sys.argv[1:] if argv is None else argv)
+    refused = prepare_rendezvous(options.wait_list_fix, options.spare_candidate)
+    if refused is not None:
+        return int(refused)
+    from torch.distributed.run import main as torchrun_main  # noqa: TID251
+
+    torchrun_main(torchrun_args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,143 @@
+"""The fix for torch's wait-list restart loop, behind a version gate.
+
+Defect (torch 2.13, measured in ../shared/notes/torchrun.md): when more agents are alive than
+`max_nodes` (two spares, or a worker crash whose agent survives while a spare exists), agents
+leaving round N rejoin through the *wait list* while round N is still complete. When the next
+round fills, the leftover agent stays in `wait_list` for good, `num_nodes_waiting() > 0`, and
+every healthy agent restarts its workers again, forever: membership-change restarts do not
+count against `--max-restarts`. Fix:
+  (a) `num_nodes_waiting()` reports 0 while the current round is complete and full: nobody can
+      join it, so there is nothing to restart for;
+  (b) a node in the wait list that finds the round complete and full moves itself to the
+      redundancy list, where spares wait without a timeout and without counting as waiting.
+
+The gate: the fix wraps four torch internals and assumes the names it reads. `check_internals`
+verifies the names and a fingerprint of each wrapped function's source; on any difference the
+launcher says so and the job runs without spares instead of with a fix that may misbehave.
+
+torch is imported only inside `load_module`, by the launcher in torchrun's own process.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import inspect
+from types import ModuleType
+from typing import Any
+
+DYNAMIC_RENDEZVOUS = "torch.distributed.elastic.rendezvous.dynamic_rendezvous"
+_APPLIED_MARK = "_slurmft_wait_list_fix"
+
+# sha256 (first 16 hex) of each function's source, whitespace-normalized, as in torch 2.13.0.
+KNOWN_FINGERPRINTS: dict[str, str] = {
+    "DynamicRendezvousHandler.num_nodes_waiting": "991cd73061cb4b7f",
+    "_RendezvousJoinOp.__call__": "d2701b435c9b3b89",
+    "_DistributedRendezvousOpExecutor.run": "1ca9b15cdee22a77",
+    "_DistributedRendezvousOpExecutor._add_to_redundancy_list": "5f07e1a5257e7315",
+}
+# Names the fix reads besides the wrapped functions.
+REQUIRED_NAMES = (
+    "_Action.ADD_TO_REDUNDANCY_LIST",
+    "DynamicRendezvousHandler.settings",
+    "_RendezvousState",
+)
+REQUIRED_STATE_FIELDS = ("complete", "closed", "participants", "wait_list", "redundancy_list")
+
+
+def load_module() -> ModuleType:
+    return importlib.import_module(DYNAMIC_RENDEZVOUS)
+
+
+def _lookup(module: ModuleType, dotted: str) -> Any:
+    obj: Any = module
+    for part in dotted.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def fingerprint(function: Any) -> str:
+    source = inspect.getsource(function)
+    normalized = "\n".join(line.strip() for line in source.splitlines() if line.strip())
+    return hashlib.sha256(normalized.encode()).hexdigest()[:16]
+
+
+def check_internals(module: ModuleType) -> list[str]:
+    """What differs from the torch internals the fix was written and tested against."""
+    problems: list[str] = []
+    for name in REQUIRED_NAMES:
+        try:
+            _lookup(module, name)
+        except AttributeError:
+            problems.append(f"{name} is missing")
+    state_cls = getattr(module, "_RendezvousState", None)
+    if state_cls is not None:
+        try:
+            state = state_cls()
+            problems += [
+                f"_RendezvousState.{f} is missing"
+                for f in REQUIRED_STATE_FIELDS
+                if not hasattr(state, f)
+            ]
+        except Exception as error:  # a changed constructor is a changed internal
+            problems.append(f"_RendezvousState() failed: {error}")
+    for name, known in KNOWN_FINGERPRINTS.items():
+        try:
+            seen = fingerprint(_lookup(module, name))
+        except AttributeError:
+            problems.append(f"{name} is missing")
+            continue
+        except (OSError, TypeError) as error:
+            problems.append(f"{name}: source unavailable ({error})")
+            continue
+        if seen != known:
+            problems.append(f"{name} changed (source fingerprint {seen}, expected {known})")
+    return problems
+
+
+def is_applied(module: ModuleType) -> bool:
+    return bool(getattr(module, _APPLIED_MARK, False))
+
+
+def _round_full(state: Any, max_nodes: int) -> bool:
+    return bool(state.complete) and len(state.participants) >= max_nodes
+
+
+def apply(module: ModuleType) -> None:
+    """Patch the module's classes in place (idempotent). Call only when check_internals is empty."""
+    if is_applied(module):
+        return
+    handler_cls = module.DynamicRendezvousHandler
+    join_op_cls = module._RendezvousJoinOp
+    executor_cls = module._DistributedRendezvousOpExecutor
+    add_to_redundancy_list = module._Action.ADD_TO_REDUNDANCY_LIST
+    original_num_nodes_waiting = handler_cls.num_nodes_waiting
+    original_join = join_op_cls.__call__
+    original_add_redundant = executor_cls._add_to_redundancy_list
+
+    def num_nodes_waiting(self: Any) -> int:
+        waiting = original_num_nodes_waiting(self)  # syncs the state first
+        if _round_full(self._state_holder.state, self.settings.max_nodes):
+            return 0  # (a)
+        return waiting
+
+    def join(self: Any, ctx: Any, deadline: float) -> Any:
+        state = ctx.state
+        if (
+            not state.closed
+            and ctx.node in state.wait_list
+            and ctx.node not in state.participants
+            and _round_full(state, ctx.settings.max_nodes)
+        ):
+            return add_to_redundancy_list  # (b)
+        return original_join(self, ctx, deadline)
+
+    def add_redundant(self: Any) -> None:
+        # torch adds to the redundancy list only nodes that are not waiting; (b) moves one.
+        self._state.wait_list.discard(self._node)
+        original_add_redundant(self)
+
+    handler_cls.num_nodes_waiting = num_nodes_waiting
+    join_op_cls.__call__ = join
+    executor_cls._add_to_redundancy_list = add_redundant
+    setattr(module, _APPLIED_MARK, True)

@@ -1,0 +1,264 @@
+"""Batches of rank reports to the controller over HTTP: at least once, never blocking the agent.
+
+A background thread sends what has accumulated every `interval_s` as one `AgentBatch` with the
+next sequence number. A batch that fails with a network error or a 5xx is resent *unchanged*
+(same seq) with exponential back-off until the controller answers, so a daemon restart loses
+nothing and ingest can drop duplicates. Meanwhile new reports wait in a bounded buffer: when it
+is full the oldest heartbeats go first (the next heartbeat supersedes them), then the oldest step
+times; events are never dropped. A 4xx reply means the controller will never take that batch
+(bad token, malformed): it is logged and dropped, not retried forever.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+from slurmft.protocol import (
+    BATCH_PATH,
+    CONTENT_TYPE,
+    TIME_PATH,
+    AgentBatch,
+    AgentEvent,
+    BatchReply,
+    Command,
+    ProtocolError,
+    RankHeartbeat,
+    RankStepTime,
+    TimeReply,
+)
+
+log = logging.getLogger(__name__)
+
+
+class RetryableError(Exception):
+    """The controller is away or failing: keep the batch and try again later."""
+
+
+class RejectedError(Exception):
+    """The controller refused the batch (4xx): resending it cannot help."""
+
+
+class HttpTransport:
+    """POST/GET JSON to the controller with the run's token (stdlib only)."""
+
+    def __init__(self, base_url: str, token: str, timeout_s: float = 5.0):
+        self.base_url = base_url.rstrip("/")
+        self.token = token
+        self.timeout_s = timeout_s
+
+    def _request(self, path: str, body: bytes | None) -> bytes:
+        request = urllib.request.Request(
+            self.base_url + path,
+            data=body,
+            method="POST" if body is not None else "GET",
+            headers={"Content-Type": CONTENT_TYPE, "Authorization": f"Bearer {self.token}"},
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
+                return bytes(response.read())
+        except urllib.error.HTTPError as error:
+            detail = error.read()[:300].decode(errors="replace")
+            if 400 <= error.code < 500 and error.code not in (408, 429):
+                raise RejectedError(f"HTTP {error.code}: {detail}") from None
+            raise RetryableError(f"HTTP {error.code}: {detail}") from None
+        except (urllib.error.URLError, OSError) as error:  # refused, reset, timed out
+            raise RetryableError(str(error)) from None
+
+    def send_batch(self, batch: AgentBatch) -> BatchReply:
+        reply = self._request(BATCH_PATH, batch.to_json())
+        try:
+            return BatchReply.from_json(reply)
+        except ProtocolError as error:
+            raise RetryableError(f"unreadable reply: {error}") from None
+
+    def server_time(self) -> float:
+        try:
+            return TimeReply.from_json(self._request(TIME_PATH, None)).server_time
+        except ProtocolError as error:
+            raise RetryableError(f"unreadable reply: {error}") from None
+
+
+@dataclass
+class BufferCounters:
+    dropped_heartbeats: int = 0
+    dropped_step_times: int = 0
+    rejected_batches: int = 0
+    sent_batches: int = 0
+    send_failures: int = 0
+
+
+@dataclass
+class ReportBuffer:
+    """Reports waiting for the next batch, bounded by `max_items` (events exempt)."""
+
+    max_items: int = 10_000
+    heartbeats: deque[RankHeartbeat] = field(default_factory=deque)
+    step_times: deque[RankStepTime] = field(default_factory=deque)
+    events: deque[AgentEvent] = field(default_factory=deque)
+    counters: BufferCounters = field(default_factory=BufferCounters)
+
+    def __len__(self) -> int:
+        return len(self.heartbeats) + len(self.step_times) + len(self.events)
+
+    def add(self, record: RankHeartbeat | RankStepTime | AgentEvent) -> None:
+        if isinstance(record, RankHeartbeat):
+            self.heartbeats.append(record)
+        elif isinstance(record, RankStepTime):
+            self.step_times.append(record)
+        else:
+            self.events.append(record)
+        self._shed()
+
+    def _shed(self) -> None:
+        while len(self) > self.max_items:
+            if self.heartbeats:
+                self.heartbeats.popleft()
+                self.counters.dropped_heartbeats += 1
+            elif self.step_times:
+                self.step_times.popleft()
+                self.counters.dropped_step_times += 1
+            else:
+                return  # only events left: they are kept whatever the bound
+
+    def take(self, limit: int) -> tuple[list[RankHeartbeat], list[RankStepTime], list[AgentEvent]]:
+        """Up to `limit` records, events first (they matter most)."""
+        events = _pop(self.events, limit)
+        step_times = _pop(self.step_times, limit - len(events))
+        heartbeats = _pop(self.heartbeats, limit - len(events) - len(step_times))
+        return heartbeats, step_times, events
+
+
+T = TypeVar("T")
+
+
+def _pop(queue: deque[T], limit: int) -> list[T]:
+    return [queue.popleft() for _ in range(min(limit, len(queue)))]
+
+
+def backoff_s(failures: int, base_s: float = 0.5, cap_s: float = 30.0) -> float:
+    """Exponential with ±20 % jitter, so agents that lost the controller together spread out."""
+    return min(cap_s, base_s * 2 ** max(0, failures - 1)) * random.uniform(0.8, 1.2)
+
+
+class Reporter:
+    """Owns the buffer and the send thread; `on_command` gets each command of every reply."""
+
+    def __init__(
+        self,
+        transport: HttpTransport,
+        *,
+        run_id: str,
+        node: str,
+        on_command: Callable[[Command], None],
+        interval_s: float = 1.0,
+        max_buffered: int = 10_000,
+        max_batch_items: int = 5_000,
+        backoff_cap_s: float = 30.0,
+    ):
+        self.transport = transport
+        self.run_id, self.node = run_id, node
+        self.agent_id = f"{node}-{uuid.uuid4().hex[:12]}"
+        self.on_command = on_command
+        self.interval_s, self.max_batch_items, self.backoff_cap_s = (
+            interval_s, max_batch_items, backoff_cap_s,
+        )
+        self.buffer = ReportBuffer(max_buffered)
+        self.counters = self.buffer.counters
+        self.seq = 0
+        self.in_flight: AgentBatch | None = None
+        self.failures = 0
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def add(self, record: RankHeartbeat | RankStepTime | AgentEvent) -> None:
+        with self._lock:
+            self.buffer.add(record)
+
+    def add_event(self, event: AgentEvent) -> None:
+        """An event is sent at once, not at the next interval."""
+        self.add(event)
+        self._wake.set()
+
+    def pending(self) -> int:
+        with self._lock:
+            return len(self.buffer) + (0 if self.in_flight is None else 1)
+
+    def _next_batch(self) -> AgentBatch | None:
+        with self._lock:
+            if self.in_flight is None and len(self.buffer):
+                heartbeats, step_times, events = self.buffer.take(self.max_batch_items)
+                self.seq += 1
+                self.in_flight = AgentBatch(
+                    run_id=self.run_id,
+                    agent_id=self.agent_id,
+                    node=self.node,
+                    seq=self.seq,
+                    sent_at=time.time(),
+                    heartbeats=tuple(heartbeats),
+                    step_times=tuple(step_times),
+                    events=tuple(events),
+                )
+            return self.in_flight
+
+    def send_once(self) -> bool:
+        """Send the in-flight (or a new) batch; True when nothing is left in flight."""
+        batch = self._next_batch()
+        if batch is None:
+            return True
+        try:
+            reply = self.transport.send_batch(batch)
+        except RetryableError as error:
+            self.failures += 1
+            self.counters.send_failures += 1
+            log.warning("controller unreachable (%s); batch %d kept, %d buffered",
+                        error, batch.seq, len(self.buffer))
+            return False
+        except RejectedError as error:
+            self.counters.rejected_batches += 1
+            log.error("controller rejected batch %d, dropped: %s", batch.seq, error)
+        else:
+            self.counters.sent_batches += 1
+            for command in reply.commands:
+                self.on_command(command)
+        self.failures = 0
+        with self._lock:
+            self.in_flight = None
+        return True
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            delivered = self.send_once()
+            if delivered and self.pending():
+                continue  # a backlog after an outage: keep sending
+            cap = self.backoff_cap_s
+            wait = self.interval_s if delivered else backoff_s(self.failures, cap_s=cap)
+            self._wake.wait(wait)
+            self._wake.clear()
+
+    def start(self) -> Reporter:
+        self._thread = threading.Thread(target=self._run, name="slurmft-reporter", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, flush_timeout_s: float = 5.0) -> None:
+        """Try to deliver what is left for up to `flush_timeout_s`, then stop."""
+        deadline = time.monotonic() + flush_timeout_s
+        self._wake.set()
+        while self.pending() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self.transport.timeout_s + 1)

@@ -1,0 +1,133 @@
+"""`slurmft agent`: the node agent (one per node) and the rendezvous store host (batch step)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import sys
+import tempfile
+import threading
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from slurmft.agent.agent import AgentSettings, NodeAgent
+from slurmft.agent.command import TorchrunSpec
+from slurmft.agent.store import StoreSupervisor
+from slurmft.cli.context import state
+from slurmft.config import ConfigError
+
+app = typer.Typer(help="Run on compute nodes: the node agent and the rendezvous store.",
+                  no_args_is_help=True)
+
+
+def _default_node_index() -> int:
+    return int(os.environ.get("SLURM_NODEID", "0"))
+
+
+def _default_node_name() -> str:
+    # Under Slurm every node of the local test cluster has the same host name.
+    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+
+
+def _setup_logging(node: str, level: str) -> None:
+    logging.basicConfig(
+        level=level,
+        format=f"%(asctime)s slurmft agent[{node}] %(levelname)s %(message)s",
+        stream=sys.stderr,
+    )
+
+
+@app.command(
+    "run",
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+)
+def run(  # noqa: PLR0917 (typer: one parameter per option)
+    ctx: typer.Context,
+    nodes: Annotated[int, typer.Option(help="Training nodes N (agents beyond N are spares).")],
+    rdzv_endpoint: Annotated[str, typer.Option(help="host:port of the standalone store.")],
+    run_id: Annotated[str, typer.Option(help="The run's id (also the rendezvous id).")],
+    nproc_per_node: Annotated[int, typer.Option(help="Worker processes per node.")] = 1,
+    node_index: Annotated[
+        int | None, typer.Option(help="This node's index in the step; default $SLURM_NODEID.")
+    ] = None,
+    node_name: Annotated[
+        str | None, typer.Option(help="Default $SLURMD_NODENAME, else the host name.")
+    ] = None,
+    token_file: Annotated[
+        Path | None, typer.Option(help="File holding the run's token for the controller.")
+    ] = None,
+    work_dir: Annotated[
+        Path | None, typer.Option(help="Node-local directory for the socket and stack dumps.")
+    ] = None,
+    local_addr: Annotated[str, typer.Option(help="This node's address on the job network.")] = "",
+) -> None:
+    """Run torchrun for this node: `slurmft agent run --nodes 3 ... -- train.py --lr 0.1`."""
+    config = state(ctx).config
+    script = tuple(ctx.args)
+    if not script:
+        raise ConfigError("no training script: add `-- train.py [args]` or `-- -m pkg.train`")
+    index = _default_node_index() if node_index is None else node_index
+    node = node_name or _default_node_name()
+    _setup_logging(node, config["log.level"])
+    spec = TorchrunSpec(
+        nodes=nodes,
+        nproc_per_node=nproc_per_node,
+        rdzv_endpoint=rdzv_endpoint,
+        rdzv_id=run_id,
+        script=script,
+        rdzv_timeout_s=config["agent.rdzv_timeout_s"],
+        keep_alive_interval_s=config["agent.keep_alive_interval_s"],
+        keep_alive_max_attempts=config["agent.keep_alive_max_attempts"],
+        max_restarts=config["agent.max_restarts"],
+        local_addr=local_addr,
+        wait_list_fix=config["agent.rdzv_wait_list_fix"],
+        spare_candidate=index >= nodes,
+    )
+    token = token_file.read_text().strip() if token_file else ""
+    settings = AgentSettings(
+        spec=spec,
+        node=node,
+        run_id=run_id,
+        work_dir=work_dir or Path(tempfile.mkdtemp(prefix="slurmft-agent-")),
+        controller_url=config["agent.controller_url"],
+        token=token,
+        report_interval_s=config["agent.report_interval_s"],
+        max_buffered=config["agent.report_buffer_max"],
+        max_clock_skew_s=config["agent.max_clock_skew_s"],
+        stop_grace_s=config["agent.stop_grace_s"],
+        stack_wait_s=config["agent.stack_dump_wait_s"],
+    )
+    agent = NodeAgent(settings)
+    _install_stop_signals(agent)
+    raise typer.Exit(int(agent.run()))
+
+
+def _install_stop_signals(agent: NodeAgent) -> None:
+    def stop(signum: int, _frame: object) -> None:
+        agent.request_stop(signal.Signals(signum).name)
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, stop)
+
+
+@app.command("store")
+def store(
+    ctx: typer.Context,
+    host: Annotated[str, typer.Option(help="The job network's address (never 0.0.0.0).")],
+    port: Annotated[int, typer.Option(help="TCP port of the rendezvous store.")],
+) -> None:
+    """Host the standalone rendezvous store and restart it when it dies or stops answering."""
+    _setup_logging(host, state(ctx).config["log.level"])
+    stopped = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stopped.set())
+    supervisor = StoreSupervisor(host, port).start()
+    typer.echo(f"rendezvous store on {supervisor.endpoint}", err=True)
+    try:
+        stopped.wait()
+    finally:
+        supervisor.stop()
