@@ -68,6 +68,8 @@ class NvmlSource:
         self._events: dict[str, GpuFault] = {}
         self._event_count = 0
         self._thread: XidEventThread | None = None
+        self._notes: list[str] = []
+        self._current = -1  # the GPU being checked, for notes
 
     # --- lifecycle -----------------------------------------------------------------------
 
@@ -165,7 +167,9 @@ class NvmlSource:
         if self._status is not None:
             return SourceReport(self.name, self._status, self._reason)
         faults: list[GpuFault] = []
+        self._notes = list(self._thread.notes) if self._thread is not None else []
         for index, handle in self._handles.items():
+            self._current = index
             try:
                 faults.extend(self._device_faults(index, handle))
             except _GpuLost as lost:
@@ -173,7 +177,8 @@ class NvmlSource:
         with self._lock:
             faults.extend(self._events.values())
         gpus = [f"{i}: {self._names.get(i)} ({self._buses.get(i, '?')})" for i in self._handles]
-        return SourceReport(self.name, SourceStatus.OK, self._reason, faults, gpus)
+        reason = "; ".join(filter(None, [self._reason, *self._notes]))
+        return SourceReport(self.name, SourceStatus.OK, reason, faults, gpus)
 
     def _device_faults(self, index: int, handle: Any) -> Iterator[GpuFault]:
         yield from self._ecc(index, handle)
@@ -247,7 +252,8 @@ class NvmlSource:
     def _safe(self, fn_name: str, *args: Any) -> Any:
         try:
             return self._field(fn_name, *args)
-        except _Skip:
+        except _Skip as exc:  # an unexpected error on one field: say so, check the rest
+            self._notes.append(f"GPU {self._current}: {exc}")
             return None
 
     def _fault(self, index: int, kind: FaultKind, action: FaultAction, summary: str,

@@ -202,6 +202,18 @@ def test_not_supported_is_skipped_field_by_field() -> None:
         (1, FaultKind.RECOVERY_ACTION),
     ]
     assert report.gpus[0] == "0: NVIDIA GPU (?)"
+    assert "GPU 0: no Xid events from NVML (Not Supported)" in report.reason
+    assert "nvmlDevice" not in report.reason  # NotSupported fields are skipped silently
+
+
+def test_an_unexpected_field_error_is_noted_and_the_rest_still_checked() -> None:
+    class Flaky(FakeNvml):
+        def nvmlDeviceGetRemappedRows(self, gpu: FakeGpu) -> tuple[int, int, int, int]:
+            raise nvml_error(pynvml.NVML_ERROR_UNKNOWN)
+
+    report = check(Flaky([FakeGpu(0, ecc_uncorrected=1)]))
+    assert [f.kind for f in report.faults] == [FaultKind.ECC_UNCORRECTED]
+    assert report.reason == "GPU 0: nvmlDeviceGetRemappedRows: Unknown Error"
 
 
 def test_each_condition_and_its_action() -> None:
