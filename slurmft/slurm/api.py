@@ -163,7 +163,10 @@ class SlurmClient(Protocol):
 
     def down(self, node: str, reason: str) -> None: ...
 
-    def requeue(self, job_id: str) -> None: ...
+    def requeue(self, job_id: str, exclude: Sequence[str] | None = None) -> None:
+        """Requeue a job (same job id, same owner). With `exclude`, the job's excluded nodes
+        are replaced by that list before it may start again."""
+        ...
 
     def set_excluded_nodes(self, job_id: str, nodes: Sequence[str]) -> None:
         """Replace a *pending* job's excluded nodes (ExcNodeList)."""

@@ -97,8 +97,19 @@ class CliSlurmClient:
     def down(self, node: str, reason: str) -> None:
         self._run(commands.down_argv(node, reason))
 
-    def requeue(self, job_id: str) -> None:
-        self._run(commands.requeue_argv(job_id))
+    def requeue(self, job_id: str, exclude: Sequence[str] | None = None) -> None:
+        if exclude is None:
+            self._run(commands.requeue_argv(job_id))
+            return
+        # A requeued job may start again within seconds, and ExcNodeList can only be changed
+        # while it waits: hold it, change the list, release it (measured on 22.05: the update is
+        # accepted even while the held job is still COMPLETING). Always release, so a failed
+        # update never leaves the job held forever.
+        self._run(commands.requeue_argv(job_id, hold=True))
+        try:
+            self._run(commands.set_excluded_nodes_argv(job_id, exclude))
+        finally:
+            self._run(commands.release_argv(job_id))
 
     def set_excluded_nodes(self, job_id: str, nodes: Sequence[str]) -> None:
         self._run(commands.set_excluded_nodes_argv(job_id, nodes))

@@ -113,8 +113,12 @@ def _update_node(node: str, state: str, reason: str) -> list[str]:
     ]
 
 
-def requeue_argv(job_id: str) -> list[str]:
-    return ["scontrol", "requeue", check_job_id(job_id)]
+def requeue_argv(job_id: str, *, hold: bool = False) -> list[str]:
+    return ["scontrol", "requeuehold" if hold else "requeue", check_job_id(job_id)]
+
+
+def release_argv(job_id: str) -> list[str]:
+    return ["scontrol", "release", check_job_id(job_id)]
 
 
 def set_excluded_nodes_argv(job_id: str, nodes: Sequence[str]) -> list[str]:

@@ -125,3 +125,26 @@ def test_permission_denied_is_typed() -> None:
     client = CliSlurmClient(AsNonAdmin([]))
     with pytest.raises(SlurmPermissionDenied):
         client.drain("n5", "x")
+
+
+def test_requeue_with_excluded_nodes_holds_updates_and_releases(replay: Replay) -> None:
+    client, runner = replay("requeue_hold", "update_exclude_held", "release")
+    client.requeue(job_id_of(load_recording("requeue_hold")), exclude=["n2"])
+    assert [call[1] for call in runner.calls] == ["requeuehold", "update", "release"]
+
+
+def test_requeue_releases_the_job_even_when_the_update_fails() -> None:
+    job_id = job_id_of(load_recording("requeue_hold"))
+    failed_update = load_recording("update_exclude_running")
+
+    class UpdateFails(ReplayRunner):
+        def run(self, argv, timeout, *, stdin=None):  # type: ignore[no-untyped-def]
+            self.calls.append(tuple(argv))
+            if argv[1] == "update":
+                return failed_update
+            return load_recording("release" if argv[1] == "release" else "requeue_hold")
+
+    runner = UpdateFails([])
+    with pytest.raises(SlurmBadRequest):
+        CliSlurmClient(runner).requeue(job_id, exclude=["n6"])
+    assert runner.calls[-1] == ("scontrol", "release", job_id)

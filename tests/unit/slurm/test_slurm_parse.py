@@ -151,3 +151,12 @@ def test_recordings_are_json_of_real_commands(recorded: Recorded) -> None:
     result = recorded("squeue_json")
     document = json.loads(result.stdout)
     assert document["meta"]["Slurm"]["release"] == "22.05.8"
+
+
+def test_requeued_with_a_node_excluded(recorded: Recorded) -> None:
+    held = job_from_scontrol(parse_scontrol_records(recorded("show_job_requeue_held").stdout)[0])
+    assert held.reason == "job_requeued_in_held_state"
+    rerun = job_from_scontrol(parse_scontrol_records(recorded("show_job_rerun_excluded").stdout)[0])
+    assert rerun.state is JobState.RUNNING and rerun.restarts == 2
+    assert rerun.excluded_nodes == ("n2",) and "n2" not in rerun.nodes
+    assert len(rerun.nodes) == 3
