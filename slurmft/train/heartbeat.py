@@ -7,6 +7,9 @@ in, deadline 30 minutes", not ten minutes of silence that looks like a hang. The
 - heartbeats arriving and `progress_age_s > deadline_s`: stuck in that phase (a hang the Python
   thread can still see, e.g. a collective that never returns);
 - no heartbeat for a few intervals: the process is frozen or gone.
+When one rank hangs, its peers soon hang too, inside the next collective. `section` tells them
+apart: "wait" (inside a collective: a victim), "compute", or null (outside the timed sections); an
+overdue rank that is not in "wait" is the suspect.
 
 Torch-free, so the agent can import `Phase` and `is_overdue`.
 """
@@ -69,6 +72,7 @@ class Heartbeat:
         self._phase = Phase.INIT
         self._step = 0
         self._progress_at = clock()
+        self._section: str | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -84,6 +88,7 @@ class Heartbeat:
         deadline = self.deadlines_s[phase]
         return {
             "phase": phase.value,
+            "section": self._section,
             "step": step,
             "progress_age_s": round(age, 3),
             "deadline_s": deadline,
@@ -107,6 +112,10 @@ class Heartbeat:
         with self._lock:
             self._step = step
             self._progress_at = self._clock()
+
+    def set_section(self, section: str | None) -> None:
+        """Set by StepTimer around compute and collective-wait sections. Cheap: one store."""
+        self._section = section
 
     @contextmanager
     def phase(self, phase: Phase, step: int | None = None) -> Iterator[None]:

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from slurmft.train.heartbeat import Heartbeat
+
 
 @dataclass(frozen=True)
 class StepTiming:
@@ -39,7 +41,10 @@ class StepExchange:
 class StepTimer:
     """`start_step()`, then `with timer.compute():` / `with timer.wait():`, then `end_step()`."""
 
-    def __init__(self, device: torch.device | None = None):
+    def __init__(self, device: torch.device | None = None, heartbeat: Heartbeat | None = None):
+        # With a heartbeat, the section ("compute"/"wait") goes into every heartbeat, so a rank
+        # hung outside a collective can be told from its peers waiting for it inside one.
+        self.heartbeat = heartbeat
         self.use_cuda_events = device is not None and device.type == "cuda"
         self._step = 0
         self._step_start = 0.0
@@ -57,6 +62,15 @@ class StepTimer:
 
     @contextmanager
     def _section(self, kind: str) -> Iterator[None]:
+        if self.heartbeat is not None:
+            self.heartbeat.set_section(kind)
+        try:
+            yield from self._timed(kind)
+        finally:
+            if self.heartbeat is not None:
+                self.heartbeat.set_section(None)
+
+    def _timed(self, kind: str) -> Iterator[None]:
         if self.use_cuda_events:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()

@@ -8,8 +8,8 @@ momentum and a warmup-then-linear LR schedule, gradients all-reduced by hand wit
 slots piggy-backed. Rank 0 appends one JSON line per step to `<out-dir>/losses.jsonl` (loss, LR,
 a fingerprint of the samples of the global batch) and events to `<out-dir>/events.jsonl`; at the
 end it writes `<out-dir>/final_weights.pt`. Flags inject faults for tests: a slow rank, a crash
-at a step, a kill in the middle of a save, a long save. `--work-ms` simulates per-step device
-compute with a sleep, so timing tests do not depend on CPU contention between ranks.
+at a step, a hang, a kill in the middle of a save, a long save. `--work-ms` simulates per-step
+device compute with a sleep, so timing tests do not depend on CPU contention between ranks.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import os
 import random
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -87,6 +88,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--slow-save-s", type=float, default=0.0, help="extra seconds per save")
     p.add_argument("--crash-at-step", default="", help="STEP[@ATTEMPT]: SIGKILL --fault-rank")
     p.add_argument("--kill-during-save", default="", help="STEP[@ATTEMPT]: SIGKILL mid-save")
+    p.add_argument("--hang-at-step", default="", help="STEP[@ATTEMPT]: stop calling collectives")
     p.add_argument("--fault-rank", type=int, default=1)
     return p.parse_args(argv)
 
@@ -102,6 +104,11 @@ def fault_due(spec: str, step: int, rank: int, fault_rank: int) -> bool:
 
 def kill_self() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def hang_forever() -> None:
+    """A rank that stops calling collectives: its peers must time out, not wait forever."""
+    threading.Event().wait()
 
 
 class Journal:
@@ -160,7 +167,13 @@ def make_plan(args: argparse.Namespace, world_size: int) -> BatchPlan:
 
 
 class TinyRun:
-    def __init__(self, args: argparse.Namespace, info: DistInfo, channel: ReportChannel):
+    def __init__(
+        self,
+        args: argparse.Namespace,
+        info: DistInfo,
+        channel: ReportChannel,
+        heartbeat: Heartbeat,
+    ):
         self.args, self.info, self.channel = args, info, channel
         self.rank, self.world = info.rank, info.world_size
         self.journal = Journal(Path(args.out_dir), self.rank)
@@ -176,7 +189,7 @@ class TinyRun:
             self.plan.global_batch,
             {"kind": "warmup-linear", "lr": args.lr, "warmup": args.warmup, "total": args.steps},
         )
-        self.timer = StepTimer(info.device)
+        self.timer = StepTimer(info.device, heartbeat)
         self.detector = StragglerDetector(PeerGroups.uniform(self.world), args.straggler_window)
         self.named: set[int] = set()
         self.save_request = SaveRequest()
@@ -362,6 +375,8 @@ class TinyRun:
                 self.observe_stragglers(compute_times)
             if fault_due(self.args.crash_at_step, self.step, self.rank, self.args.fault_rank):
                 kill_self()
+            if fault_due(self.args.hang_at_step, self.step, self.rank, self.args.fault_rank):
+                hang_forever()
             if save_requested:
                 self.save("requested", heartbeat)
             elif self.step % self.args.ckpt_every == 0 or self.step == self.args.steps:
@@ -390,7 +405,7 @@ def main(argv: list[str] | None = None) -> None:
     ).start()
     try:
         with exit_on_collective_error(channel):
-            TinyRun(args, info, channel).run(heartbeat)
+            TinyRun(args, info, channel, heartbeat).run(heartbeat)
             dist.barrier()
     except SlurmftError as error:
         # Every rank reaches the same verdict (the checks are collective or deterministic).

@@ -48,6 +48,8 @@ def test_a_killed_and_resumed_run_equals_the_uninterrupted_one(
     )
     resumed = interrupted_run.events("resumed")
     assert all(e["rng_restored"] for e in resumed)
+    # The surviving ranks left at once through the collective-error exit.
+    assert "slurmft: collective error, exiting with 75" in interrupted_run.output
 
 
 def test_a_kill_in_the_middle_of_a_save_never_resumes_from_the_partial_checkpoint(

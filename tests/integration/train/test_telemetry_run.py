@@ -8,19 +8,15 @@ import itertools
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
-import threading
 import time
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
 import pytest
-from tiny_runs import RUN_TIMEOUT_S, TinyRun, torchrun_command, torchrun_env
-
-from slurmft.train.report import decode
+from tiny_runs import RUN_TIMEOUT_S, AgentSocket, TinyRun, torchrun_command, torchrun_env
 
 pytestmark = pytest.mark.torch
 
@@ -30,37 +26,6 @@ WINDOW = 10
 STEP_DEADLINE_S = 1.0
 SLOW_SAVE_S = 2.5
 HEARTBEAT_INTERVAL_S = 0.25
-
-
-class AgentSocket:
-    """What the node agent will do: receive the ranks' datagrams (here: keep them all)."""
-
-    def __init__(self, path: Path):
-        self.path = path
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
-        self.sock.bind(str(path))
-        self.sock.settimeout(0.2)
-        self.messages: list[tuple[float, dict[str, Any]]] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._receive, daemon=True)
-        self._thread.start()
-
-    def _receive(self) -> None:
-        while not self._stop.is_set():
-            try:
-                payload = self.sock.recv(65536)
-            except TimeoutError:
-                continue
-            self.messages.append((time.monotonic(), decode(payload)))
-
-    def of(self, kind: str) -> list[dict[str, Any]]:
-        return [m for _, m in self.messages if m["kind"] == kind]
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.sock.close()
 
 
 def wait_for_step(losses: Path, step: int, process: subprocess.Popen[str]) -> None:

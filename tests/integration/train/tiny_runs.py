@@ -5,11 +5,16 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
+import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from slurmft.train.report import decode
 
 TORCHRUN = str(Path(sys.executable).parent / "torchrun")
 RUN_TIMEOUT_S = 240
@@ -116,3 +121,34 @@ def copy_run(run: TinyRun, workdir: Path, keep_steps: set[int] | None = None) ->
             if int(entry.name.removeprefix("step-")) not in keep_steps:
                 shutil.rmtree(entry)
     return target
+
+
+class AgentSocket:
+    """What the node agent will do: receive the ranks' datagrams (here: keep them all)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
+        self.sock.bind(str(path))
+        self.sock.settimeout(0.2)
+        self.messages: list[tuple[float, dict[str, Any]]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._receive, daemon=True)
+        self._thread.start()
+
+    def _receive(self) -> None:
+        while not self._stop.is_set():
+            try:
+                payload = self.sock.recv(65536)
+            except TimeoutError:
+                continue
+            self.messages.append((time.monotonic(), decode(payload)))
+
+    def of(self, kind: str) -> list[dict[str, Any]]:
+        return [m for _, m in self.messages if m["kind"] == kind]
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.sock.close()
