@@ -50,6 +50,7 @@ def upgrade() -> None:
         sa.Column("end_reason", sa.Text(), nullable=True),
         sa.Column("last_progress_at", sa.DateTime(), nullable=True),
         sa.Column("restarts_without_progress", sa.Integer(), nullable=False),
+        sa.Column("cancel_requested_at", sa.DateTime(), nullable=True),
         sa.PrimaryKeyConstraint("id", name=op.f("pk_runs")),
     )
     with op.batch_alter_table("runs", schema=None) as batch_op:
@@ -416,6 +417,18 @@ def upgrade() -> None:
         batch_op.create_index("ix_actions_run_created", ["run_id", "created_at"], unique=False)
 
     op.create_table(
+        "agent_cursors",
+        sa.Column("run_id", sa.String(length=32), nullable=False),
+        sa.Column("agent_id", sa.String(length=64), nullable=False),
+        sa.Column("node", sa.String(length=128), nullable=False),
+        sa.Column("last_seq", sa.BigInteger(), nullable=False),
+        sa.Column("updated_at", sa.DateTime(), nullable=False),
+        sa.ForeignKeyConstraint(
+            ["run_id"], ["runs.id"], name=op.f("fk_agent_cursors_run_id_runs"), ondelete="CASCADE"
+        ),
+        sa.PrimaryKeyConstraint("run_id", "agent_id", name=op.f("pk_agent_cursors")),
+    )
+    op.create_table(
         "node_denylist",
         sa.Column(
             "id",
@@ -450,6 +463,7 @@ def downgrade() -> None:
         batch_op.drop_index(batch_op.f("ix_node_denylist_node"))
 
     op.drop_table("node_denylist")
+    op.drop_table("agent_cursors")
     with op.batch_alter_table("actions", schema=None) as batch_op:
         batch_op.drop_index("ix_actions_run_created")
 

@@ -108,6 +108,15 @@ def decide(view: ClusterView, policy: Policy) -> list[Action]:
 
 def _decide_run(run: RunView, view: ClusterView, policy: Policy, gate: _DrainGate) -> list[Action]:
     job = run.job
+    if run.cancel_requested and (job is None or job.phase is not JobPhase.ENDED):
+        return [
+            FinishRun(
+                run.run_id,
+                "cancelled by its owner",
+                state=RunState.CANCELLED,
+                job_id=job.job_id if job else None,
+            )
+        ]
     if job is None or job.phase is JobPhase.PENDING:
         return []
     if job.phase is JobPhase.ENDED:

@@ -173,6 +173,8 @@ class Run(Base):
     end_reason: Mapped[str | None] = mapped_column(Text)
     last_progress_at: Mapped[datetime | None]
     restarts_without_progress: Mapped[int] = mapped_column(default=0)
+    # Set when the owner asks to cancel; the controller cancels the job and ends the run.
+    cancel_requested_at: Mapped[datetime | None]
 
     attempts: Mapped[list[Attempt]] = relationship(
         back_populates="run", order_by="Attempt.number", cascade="all, delete-orphan"
@@ -353,6 +355,21 @@ class Action(Base):
     error: Mapped[str | None] = mapped_column(Text)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     finished_at: Mapped[datetime | None]
+
+
+class AgentCursor(Base):
+    """The newest batch acknowledged per agent: agents resend until acknowledged, so a batch
+    with a sequence number at or below this one is a duplicate and is not written again."""
+
+    __tablename__ = "agent_cursors"
+
+    run_id: Mapped[str] = mapped_column(
+        ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True
+    )
+    agent_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    node: Mapped[str] = mapped_column(String(128))
+    last_seq: Mapped[int] = mapped_column(BigInteger)
+    updated_at: Mapped[datetime] = mapped_column(default=utcnow)
 
 
 class DenylistEntry(Base):

@@ -249,6 +249,16 @@ CASES = [
         [("FinishRun", "stopped")],
     ),
     (
+        "owner cancels a running run: cancel the job, end the run",
+        _view(_run(cancel_requested=True)),
+        [("FinishRun", "cancelled")],
+    ),
+    (
+        "owner cancels a pending run",
+        _view(_run(cancel_requested=True, job=JobView("101", JobPhase.PENDING))),
+        [("FinishRun", "cancelled")],
+    ),
+    (
         "running past the cap: stop and cancel",
         _view(_run(budget=RestartBudget(charged_in_a_row=6))),
         [("FinishRun", "stopped")],

@@ -1,0 +1,133 @@
+"""What users may ask the daemon over the unix socket, scoped to the caller's uid.
+
+A user sees and acts on their own runs only; root sees all. A run that exists but belongs to
+someone else gets the same answer as one that does not exist.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from slurmft.controller.rpc import Operation, RpcError
+from slurmft.db import Database
+from slurmft.db.models import Action, Attempt, Event, Run, utcnow
+from slurmft.db.records import denied_nodes
+
+ROOT_UID = 0
+
+
+def _visible(session: Session, uid: int, run_id: object) -> Run:
+    if not isinstance(run_id, str):
+        raise RpcError("a run id is required")
+    run = session.get(Run, run_id)
+    if run is None or uid not in (ROOT_UID, run.owner_uid):
+        raise RpcError(f"no run {run_id} visible to you (see `slurmft runs`)")
+    return run
+
+
+def _latest_attempt(session: Session, run_id: str) -> Attempt | None:
+    return session.scalars(
+        select(Attempt).where(Attempt.run_id == run_id).order_by(Attempt.number.desc()).limit(1)
+    ).first()
+
+
+def _summary(session: Session, run: Run) -> dict[str, Any]:
+    attempt = _latest_attempt(session, run.id)
+    return {
+        "run_id": run.id,
+        "name": run.name,
+        "owner": run.owner_name,
+        "state": run.state.value,
+        "nodes": run.nodes,
+        "spares": run.spares,
+        "job_id": attempt.slurm_job_id if attempt else None,
+        "attempts": attempt.number if attempt else 0,
+        "created_at": run.created_at.isoformat(),
+        "end_reason": run.end_reason,
+        "cancel_requested": run.cancel_requested_at is not None,
+    }
+
+
+def _event_row(event: Event) -> dict[str, Any]:
+    return {
+        "at": event.occurred_at.isoformat(),
+        "kind": event.kind.value,
+        "node": event.node,
+        "rank": event.rank,
+        "fault_class": event.fault_class.value if event.fault_class else None,
+        "xid": event.xid,
+        "message": event.message,
+    }
+
+
+def _action_row(action: Action) -> dict[str, Any]:
+    return {
+        "at": action.created_at.isoformat(),
+        "kind": action.kind.value,
+        "node": action.node,
+        "status": action.status.value,
+        "reason": action.reason,
+        "error": action.error,
+    }
+
+
+def operations(database: Database) -> dict[str, Operation]:
+    """The daemon's user-facing operations, bound to its store."""
+
+    def runs(uid: int, args: Mapping[str, Any]) -> list[dict[str, Any]]:
+        with database.session() as session:
+            query = select(Run).order_by(Run.created_at.desc())
+            if uid != ROOT_UID:
+                query = query.where(Run.owner_uid == uid)
+            return [_summary(session, run) for run in session.scalars(query)]
+
+    def status(uid: int, args: Mapping[str, Any]) -> dict[str, Any]:
+        with database.session() as session:
+            run = _visible(session, uid, args.get("run_id"))
+            recent = session.scalars(
+                select(Action).where(Action.run_id == run.id).order_by(Action.id.desc()).limit(10)
+            ).all()
+            return {
+                **_summary(session, run),
+                "excluded_nodes": sorted(denied_nodes(session, run_id=run.id)),
+                "recent_actions": [_action_row(a) for a in reversed(recent)],
+            }
+
+    def events(uid: int, args: Mapping[str, Any]) -> dict[str, Any]:
+        limit = args.get("limit", 100)
+        if not isinstance(limit, int) or limit < 1:
+            raise RpcError("limit must be a positive whole number")
+        with database.session() as session:
+            run = _visible(session, uid, args.get("run_id"))
+            rows = session.scalars(
+                select(Event)
+                .where(Event.run_id == run.id)
+                .order_by(Event.occurred_at.desc())
+                .limit(limit)
+            ).all()
+            acts = session.scalars(
+                select(Action)
+                .where(Action.run_id == run.id)
+                .order_by(Action.id.desc())
+                .limit(limit)
+            ).all()
+            return {
+                "run_id": run.id,
+                "events": [_event_row(e) for e in reversed(rows)],
+                "actions": [_action_row(a) for a in reversed(acts)],
+            }
+
+    def cancel(uid: int, args: Mapping[str, Any]) -> dict[str, Any]:
+        with database.session() as session:
+            run = _visible(session, uid, args.get("run_id"))
+            if run.state.is_terminal:
+                raise RpcError(f"run {run.id} already ended ({run.state.value})")
+            if run.cancel_requested_at is None:
+                run.cancel_requested_at = utcnow()
+            return {"run_id": run.id, "cancel_requested": True}
+
+    return {"runs": runs, "status": status, "events": events, "cancel": cancel}

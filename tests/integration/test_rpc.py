@@ -1,0 +1,121 @@
+"""The CLI ↔ daemon socket: the caller's uid comes from the kernel, and scopes what it sees."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from slurmft.controller.rpc import DaemonUnreachable, RpcError, RpcServer, call
+from slurmft.controller.user_ops import operations
+from slurmft.db import Database
+from slurmft.db.models import Attempt, Event, EventKind, Run
+from slurmft.db.states import RunState
+
+ALICE, BOB = 15001, 15002
+
+
+@pytest.fixture
+def socket_path(database: Database) -> Iterator[Path]:
+    with database.session() as s:
+        for run_id, uid, name in (("ra", ALICE, "alice"), ("rb", BOB, "bob")):
+            run = Run(
+                id=run_id,
+                name=f"{name}-run",
+                owner_uid=uid,
+                owner_name=name,
+                nodes=3,
+                spares=1,
+                command=["train.py"],
+            )
+            s.add(run)
+            s.flush()
+            run.state = RunState.RUNNING
+            s.add(Attempt(run_id=run_id, number=1, slurm_job_id=f"{uid}"))
+            s.add(Event(run_id=run_id, kind=EventKind.NODE_LOST, node="n2", message="lost n2"))
+    # Other uids must reach the socket: pytest's own tmp dirs are private to root.
+    runtime = Path(tempfile.mkdtemp(prefix="slurmft-rpc-"))
+    runtime.chmod(0o755)
+    server = RpcServer(runtime / "slurmft.sock", operations(database)).start()
+    try:
+        yield server.path
+    finally:
+        server.stop()
+        shutil.rmtree(runtime, ignore_errors=True)
+
+
+def _call_as(uid: int, path: Path, op: str, **args: Any) -> dict[str, Any]:
+    """Run `call` in a child process that has dropped to ``uid``; return its result or error."""
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child: drop privileges, ask, report, exit without running pytest's cleanup
+        os.close(read_end)
+        try:
+            os.setgid(uid)
+            os.setuid(uid)
+            out: dict[str, Any] = {"result": call(path, op, **args)}
+        except (RpcError, DaemonUnreachable) as exc:
+            out = {"error": str(exc)}
+        except BaseException as exc:  # report anything to the parent
+            out = {"error": f"{type(exc).__name__}: {exc}"}
+        os.write(write_end, json.dumps(out).encode())
+        os._exit(0)
+    os.close(write_end)
+    with os.fdopen(read_end, "rb") as pipe:
+        data = pipe.read()
+    os.waitpid(pid, 0)
+    return json.loads(data)
+
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="dropping to other uids needs root")
+
+
+def test_each_user_sees_only_their_own_runs(socket_path: Path) -> None:
+    alice = _call_as(ALICE, socket_path, "runs")["result"]
+    assert [r["run_id"] for r in alice] == ["ra"]
+    assert alice[0]["job_id"] == str(ALICE) and alice[0]["state"] == "running"
+    assert [r["run_id"] for r in _call_as(BOB, socket_path, "runs")["result"]] == ["rb"]
+    assert {r["run_id"] for r in call(socket_path, "runs")} == {"ra", "rb"}  # root sees all
+
+
+def test_another_users_run_is_invisible_and_cannot_be_cancelled(
+    socket_path: Path, database: Database
+) -> None:
+    for op in ("status", "events", "cancel"):
+        reply = _call_as(BOB, socket_path, op, run_id="ra")
+        assert reply == {"error": "no run ra visible to you (see `slurmft runs`)"}
+    assert _call_as(BOB, socket_path, "status", run_id="nope")["error"].startswith("no run nope")
+    with database.session() as s:
+        run = s.get(Run, "ra")
+        assert run is not None and run.cancel_requested_at is None
+
+
+def test_the_owner_sees_status_and_events_and_can_cancel(
+    socket_path: Path, database: Database
+) -> None:
+    status = _call_as(ALICE, socket_path, "status", run_id="ra")["result"]
+    assert (status["name"], status["attempts"], status["excluded_nodes"]) == ("alice-run", 1, [])
+    events = _call_as(ALICE, socket_path, "events", run_id="ra")["result"]
+    assert [e["kind"] for e in events["events"]] == ["node_lost"]
+    assert _call_as(ALICE, socket_path, "cancel", run_id="ra")["result"]["cancel_requested"]
+    with database.session() as s:
+        run = s.get(Run, "ra")
+        assert run is not None and run.cancel_requested_at is not None
+
+
+def test_bad_requests_get_clear_errors(socket_path: Path) -> None:
+    with pytest.raises(RpcError, match="unknown operation"):
+        call(socket_path, "format_disk")
+    with pytest.raises(RpcError, match="positive whole number"):
+        call(socket_path, "events", run_id="ra", limit=-3)
+
+
+def test_no_daemon_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(DaemonUnreachable, match="slurmft daemon is not running"):
+        call(tmp_path / "absent.sock", "runs")
