@@ -1,0 +1,85 @@
+"""The torchrun command line and environment an agent runs (golden)."""
+
+from __future__ import annotations
+
+import pytest
+
+from slurmft.agent.command import (
+    NCCL_ENV,
+    TorchrunSpec,
+    launcher_argv,
+    torchrun_args,
+    torchrun_env,
+)
+
+
+def spec(**overrides: object) -> TorchrunSpec:
+    base: dict[str, object] = {
+        "nodes": 3,
+        "nproc_per_node": 8,
+        "rdzv_endpoint": "10.0.0.1:29400",
+        "rdzv_id": "r1234",
+        "script": ("train.py", "--lr", "0.1"),
+    }
+    base.update(overrides)
+    return TorchrunSpec(**base)  # type: ignore[arg-type]
+
+
+def test_golden_launcher_argv() -> None:
+    assert launcher_argv(spec(), "/venv/bin/python") == [
+        "/venv/bin/python", "-m", "slurmft.agent.launcher", "--wait-list-fix", "--",
+        "--nnodes=3:3",
+        "--nproc-per-node=8",
+        "--rdzv-backend=c10d",
+        "--rdzv-endpoint=10.0.0.1:29400",
+        "--rdzv-id=r1234",
+        "--rdzv-conf=is_host=false,join_timeout=600,keep_alive_interval=1,keep_alive_max_attempt=4",
+        "--max-restarts=1000000",
+        "train.py", "--lr", "0.1",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        ({"rdzv_timeout_s": 120}, "join_timeout=120"),
+        ({"keep_alive_interval_s": 2, "keep_alive_max_attempts": 5},
+         "keep_alive_interval=2,keep_alive_max_attempt=5"),
+        ({"max_restarts": 7}, "--max-restarts=7"),
+        ({"local_addr": "10.0.0.9"}, "--local-addr=10.0.0.9"),
+        ({"script": ("-m", "pkg.train")}, "-m pkg.train"),
+    ],
+)
+def test_settings_reach_torchrun(overrides: dict[str, object], expected: str) -> None:
+    assert expected in " ".join(torchrun_args(spec(**overrides)))
+
+
+def test_spare_candidate_and_disabled_fix_reach_the_launcher() -> None:
+    argv = launcher_argv(spec(spare_candidate=True, wait_list_fix=False), "py")
+    assert argv[3:6] == ["--no-wait-list-fix", "--spare-candidate", "--"]
+
+
+def test_env_forces_store_fix_and_channel_but_keeps_users_nccl_choice() -> None:
+    env = torchrun_env(
+        {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "0", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3",
+         "PATH": "/bin"},
+        agent_socket="/tmp/a/ranks.sock",
+        stacks_dir="/tmp/a/stacks",
+    )
+    assert env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
+    assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3"  # the user's value wins
+    assert env["TORCH_NCCL_ENABLE_MONITORING"] == NCCL_ENV["TORCH_NCCL_ENABLE_MONITORING"]
+    assert env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
+    assert env["TORCH_FR_DUMP_TEMP_FILE"] == "/tmp/a/stacks/nccl-trace-rank-"
+    assert env["SLURMFT_AGENT_SOCKET"] == "/tmp/a/ranks.sock"
+    assert env["SLURMFT_STACKS_DIR"] == "/tmp/a/stacks"
+    assert env["PATH"] == "/bin"
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [{"nodes": 0}, {"nproc_per_node": 0}, {"script": ()}, {"keep_alive_max_attempts": 0}],
+)
+def test_bad_specs_are_refused(overrides: dict[str, object]) -> None:
+    with pytest.raises(ValueError):
+        spec(**overrides)

@@ -1,0 +1,98 @@
+"""The agent <-> daemon wire format: round trips, strict validation, store conversion."""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime
+from typing import Any
+
+import pytest
+
+from slurmft.protocol import (
+    AgentBatch,
+    AgentEvent,
+    BatchReply,
+    Command,
+    ProtocolError,
+    RankHeartbeat,
+    RankStepTime,
+    TimeReply,
+    heartbeat_reports,
+    step_time_reports,
+)
+
+T0 = 1_800_000_000.25
+
+
+def batch() -> AgentBatch:
+    return AgentBatch(
+        run_id="r1",
+        agent_id="n1-abc",
+        node="n1",
+        seq=3,
+        sent_at=T0,
+        heartbeats=(RankHeartbeat(2, 0, "step", 17, 0.4, 300.0, False, T0, 1, 4242),),
+        step_times=(RankStepTime(2, 17, 0.2, 0.05, T0),),
+        events=(AgentEvent("hang", T0, "stuck", rank=2, fault_class="hang",
+                           details={"stacks": {"2": "..."}}),),
+    )
+
+
+def body(**changes: Any) -> dict[str, Any]:
+    data = json.loads(batch().to_json())
+    data.update(changes)
+    return data
+
+
+def test_round_trip() -> None:
+    assert AgentBatch.from_json(batch().to_json()) == batch()
+    reply = BatchReply(3, T0, (Command("leave", "node n1 cordoned"),))
+    assert BatchReply.from_json(reply.to_json()) == reply
+    assert TimeReply.from_json(TimeReply(T0).to_json()) == TimeReply(T0)
+
+
+@pytest.mark.parametrize(
+    ("payload", "message"),
+    [
+        (b"{not json", "not JSON"),
+        (b"[1, 2]", "expected a JSON object"),
+        (json.dumps({**body(), "v": 2}).encode(), "protocol version 2"),
+        (json.dumps({k: v for k, v in body().items() if k != "v"}).encode(), "protocol version"),
+        (json.dumps({k: v for k, v in body().items() if k != "seq"}).encode(),
+         "batch.seq: missing"),
+        (json.dumps(body(seq="3")).encode(), "batch.seq: expected a whole number"),
+        (json.dumps(body(seq=True)).encode(), "batch.seq: expected a whole number"),
+        (json.dumps(body(seq=0)).encode(), "batch.seq: must be at least 1"),
+        (json.dumps(body(extra=1)).encode(), "unknown field 'extra'"),
+        (json.dumps(body(heartbeats={})).encode(), "batch.heartbeats: expected a list"),
+        (json.dumps(body(heartbeats=[1])).encode(), "batch.heartbeats[0]: expected an object"),
+        (json.dumps(body(step_times=[{"rank": 1}])).encode(), "batch.step_times[0].step: missing"),
+        (json.dumps(body(events=[{"kind": "party", "occurred_at": T0}])).encode(),
+         "batch.events[0].kind: 'party' is not one of"),
+        (json.dumps(body(events=[{"kind": "hang", "occurred_at": T0, "fault_class": "x"}]))
+         .encode(),
+         "fault_class: 'x' is not one of"),
+        (b'{"v": 1, "run_id": "r", "agent_id": "a", "node": "n", "seq": 1, "sent_at": NaN}',
+         "batch.sent_at: expected a finite number"),
+    ],
+)
+def test_malformed_batches_name_the_field(payload: bytes, message: str) -> None:
+    with pytest.raises(ProtocolError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        AgentBatch.from_json(payload)
+
+
+def test_unknown_command_kind_is_refused() -> None:
+    with pytest.raises(ProtocolError, match=r"reply.commands\[0\].kind"):
+        BatchReply.from_json(b'{"v":1,"acked_seq":1,"server_time":1.0,'
+                             b'"commands":[{"kind":"explode"}]}')
+
+
+def test_conversion_to_store_reports() -> None:
+    (hb,) = heartbeat_reports(batch())
+    assert (hb.rank, hb.node, hb.phase, hb.step) == (2, "n1", "step", 17)
+    assert hb.sent_at == datetime.fromtimestamp(T0, UTC)
+    # seq orders a rank's heartbeats across agents (a spare's batches restart at 1).
+    assert hb.seq == 1_800_000_000_250_000
+    (st,) = step_time_reports(batch())
+    assert (st.rank, st.step, st.compute_s, st.wait_s) == (2, 17, 0.2, 0.05)
+    assert st.ended_at.tzinfo is UTC

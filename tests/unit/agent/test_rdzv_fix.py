@@ -1,0 +1,130 @@
+"""The wait-list fix: its decisions on torch's own rendezvous code, and the version gate."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import types
+
+import pytest
+
+from slurmft.agent import rdzv_fix
+from slurmft.agent.exits import AgentExit
+
+pytestmark = pytest.mark.torch
+
+# Run in a child: the fix patches torch's classes in place, for the whole process.
+DECISIONS = textwrap.dedent(
+    """
+    import time
+    from datetime import timedelta
+    from slurmft.agent import rdzv_fix
+    d = rdzv_fix.load_module()
+
+    def node(i):
+        return d._NodeDesc(f"n{i}", 1, 0)
+
+    settings = d.RendezvousSettings("r", 3, 3, d.RendezvousTimeout(), timedelta(seconds=1), 4)
+    state = d._RendezvousState()
+    state.complete = True
+    state.participants = {node(0): 0, node(1): 1, node(2): 2}
+    state.wait_list = {node(3)}                    # left over from the previous round
+    now = d.datetime.now(d.timezone.utc)
+    state.last_heartbeats = {n: now for n in [*state.participants, node(3)]}
+    ctx = d._RendezvousContext(node(3), state, settings)
+    print("join", d._RendezvousJoinOp()(ctx, time.monotonic() + 60).name)
+
+    class Holder:
+        def sync(self):
+            return None
+    handler = d.DynamicRendezvousHandler.__new__(d.DynamicRendezvousHandler)
+    handler._heartbeat_lock = __import__("threading").Lock()
+    handler._state_holder = Holder()
+    handler._state_holder.state = state
+    handler._settings = settings
+    print("waiting", handler.num_nodes_waiting())
+    """
+)
+
+
+def decisions(with_fix: bool) -> list[str]:
+    script = ("from slurmft.agent import rdzv_fix; rdzv_fix.apply(rdzv_fix.load_module())\n"
+              if with_fix else "") + DECISIONS
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.split()
+
+
+def test_torch_alone_keeps_a_leftover_node_waiting_which_restarts_everyone() -> None:
+    assert decisions(with_fix=False) == ["join", "SYNC", "waiting", "1"]
+
+
+def test_with_the_fix_the_leftover_becomes_a_spare_and_nobody_restarts() -> None:
+    assert decisions(with_fix=True) == ["join", "ADD_TO_REDUNDANCY_LIST", "waiting", "0"]
+
+
+def test_the_gate_knows_this_torch() -> None:
+    assert rdzv_fix.check_internals(rdzv_fix.load_module()) == []
+
+
+def copy_of_torch_module() -> types.ModuleType:
+    real = rdzv_fix.load_module()
+    fake = types.ModuleType(real.__name__)
+    fake.__dict__.update(real.__dict__)
+    return fake
+
+
+def test_the_gate_refuses_a_missing_internal() -> None:
+    module = copy_of_torch_module()
+    del module._RendezvousJoinOp
+    problems = rdzv_fix.check_internals(module)
+    assert "_RendezvousJoinOp.__call__ is missing" in problems
+
+
+def test_the_gate_refuses_a_changed_function(monkeypatch: pytest.MonkeyPatch) -> None:
+    module = copy_of_torch_module()
+
+    class Handler(module.DynamicRendezvousHandler):  # type: ignore[name-defined,misc]
+        def num_nodes_waiting(self) -> int:  # what a future torch might do instead
+            return 0
+
+    module.DynamicRendezvousHandler = Handler
+    (problem,) = rdzv_fix.check_internals(module)
+    assert problem.startswith("DynamicRendezvousHandler.num_nodes_waiting changed")
+
+
+def test_the_gate_refuses_a_changed_state() -> None:
+    module = copy_of_torch_module()
+
+    class State:
+        def __init__(self) -> None:
+            self.complete, self.closed, self.participants = False, False, {}
+
+    module._RendezvousState = State
+    assert rdzv_fix.check_internals(module) == [
+        "_RendezvousState.wait_list is missing",
+        "_RendezvousState.redundancy_list is missing",
+    ]
+
+
+def test_launcher_refuses_spares_on_unknown_torch_and_runs_the_first_n_without_the_fix() -> None:
+    script = textwrap.dedent(
+        """
+        import enum
+        from slurmft.agent import launcher, rdzv_fix
+        d = rdzv_fix.load_module()
+        # A torch whose internals the fix does not know: an action it relies on is gone.
+        d._Action = enum.Enum("_Action", ["KEEP_ALIVE", "SYNC", "FINISH"])
+        spare = launcher.prepare_rendezvous(wait_list_fix=True, spare_candidate=True)
+        active = launcher.prepare_rendezvous(wait_list_fix=True, spare_candidate=False)
+        print(int(spare), active, rdzv_fix.is_applied(d))
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == [str(int(AgentExit.SPARE_REFUSED)), "None", "False"]
+    assert "does not know torch" in done.stderr and "_Action.ADD_TO_REDUNDANCY_LIST" in done.stderr
+    assert "not joining (spares need the fix)" in done.stderr

@@ -1,0 +1,188 @@
+"""Batching, buffering and retry against a local HTTP server that fails, then recovers."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from slurmft.agent.reporter import HttpTransport, ReportBuffer, Reporter, backoff_s
+from slurmft.protocol import (
+    BATCH_PATH,
+    TIME_PATH,
+    AgentBatch,
+    AgentEvent,
+    BatchReply,
+    Command,
+    RankHeartbeat,
+    RankStepTime,
+    TimeReply,
+)
+
+
+class FakeController(ThreadingHTTPServer):
+    """Answers 503 to the first `fail_first` batches, then acknowledges and records them."""
+
+    def __init__(self) -> None:
+        super().__init__(("127.0.0.1", 0), Handler)
+        self.fail_first = 0
+        self.status = 200
+        self.commands: list[Command] = []
+        self.attempts: list[AgentBatch] = []
+        self.accepted: list[AgentBatch] = []
+        self.tokens: list[str] = []
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}"
+
+
+class Handler(BaseHTTPRequestHandler):
+    server: FakeController
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+    def _reply(self, status: int, body: bytes) -> None:
+        self.send_response(status)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self) -> None:
+        assert self.path == TIME_PATH
+        self._reply(200, TimeReply(time.time() + 5.0).to_json())
+
+    def do_POST(self) -> None:
+        assert self.path == BATCH_PATH
+        batch = AgentBatch.from_json(self.rfile.read(int(self.headers["Content-Length"])))
+        self.server.attempts.append(batch)
+        self.server.tokens.append(self.headers["Authorization"])
+        if len(self.server.attempts) <= self.server.fail_first:
+            self._reply(503, b"daemon restarting")
+            return
+        if self.server.status != 200:
+            self._reply(self.server.status, b"bad token")
+            return
+        self.server.accepted.append(batch)
+        reply = BatchReply(batch.seq, time.time(), tuple(self.server.commands))
+        self._reply(200, reply.to_json())
+
+
+@pytest.fixture
+def controller() -> Iterator[FakeController]:
+    server = FakeController()
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server
+    server.shutdown()
+    server.server_close()
+
+
+def heartbeat(rank: int, t: float) -> RankHeartbeat:
+    return RankHeartbeat(rank, rank, "step", 1, 0.1, 300.0, False, t)
+
+
+def event(n: int) -> AgentEvent:
+    return AgentEvent("restart", float(n), f"event {n}")
+
+
+def wait_until(check: object, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if check():  # type: ignore[operator]
+            return
+        time.sleep(0.02)
+    raise AssertionError("timed out")
+
+
+def test_outage_keeps_the_batch_and_its_seq_until_acknowledged(controller: FakeController) -> None:
+    controller.fail_first = 3
+    commands: list[Command] = []
+    reporter = Reporter(HttpTransport(controller.url, "tok"), run_id="r1", node="n1",
+                        on_command=commands.append, interval_s=0.05, backoff_cap_s=0.2)
+    reporter.add(heartbeat(0, 1.0))
+    reporter.add_event(event(1))
+    reporter.start()
+    try:
+        wait_until(lambda: len(controller.accepted) == 1)
+        reporter.add(RankStepTime(0, 2, 0.1, 0.0, 2.0))
+        wait_until(lambda: len(controller.accepted) == 2)
+    finally:
+        reporter.stop(flush_timeout_s=2)
+    assert [b.seq for b in controller.attempts] == [1, 1, 1, 1, 2]  # resent unchanged
+    assert len({b.to_json() for b in controller.attempts[:4]}) == 1
+    first, second = controller.accepted
+    assert first.events == (event(1),) and first.heartbeats == (heartbeat(0, 1.0),)
+    assert second.step_times == (RankStepTime(0, 2, 0.1, 0.0, 2.0),)
+    assert set(controller.tokens) == {"Bearer tok"}
+    assert reporter.counters.send_failures == 3
+
+
+def test_reply_commands_reach_the_agent(controller: FakeController) -> None:
+    controller.commands = [Command("leave", "node n1 cordoned")]
+    commands: list[Command] = []
+    reporter = Reporter(HttpTransport(controller.url, "tok"), run_id="r1", node="n1",
+                        on_command=commands.append, interval_s=0.05)
+    reporter.add_event(event(1))
+    reporter.start()
+    try:
+        wait_until(lambda: commands)
+    finally:
+        reporter.stop(flush_timeout_s=1)
+    assert commands == [Command("leave", "node n1 cordoned")]
+
+
+def test_a_rejected_batch_is_dropped_not_retried_forever(controller: FakeController) -> None:
+    controller.status = 401
+    reporter = Reporter(HttpTransport(controller.url, "wrong"), run_id="r1", node="n1",
+                        on_command=lambda c: None, interval_s=0.05)
+    reporter.add_event(event(1))
+    assert reporter.send_once() is True
+    assert reporter.counters.rejected_batches == 1 and reporter.pending() == 0
+
+
+def test_unreachable_controller_is_retryable_and_flush_is_bounded() -> None:
+    transport = HttpTransport("http://127.0.0.1:9", "tok", timeout_s=0.5)  # discard port: refused
+    reporter = Reporter(transport, run_id="r1", node="n1", on_command=lambda c: None)
+    reporter.add_event(event(1))
+    assert reporter.send_once() is False
+    assert reporter.pending() == 1
+    started = time.monotonic()
+    reporter.start().stop(flush_timeout_s=0.5)
+    assert time.monotonic() - started < 3
+
+
+def test_buffer_drops_oldest_heartbeats_first_then_step_times_never_events() -> None:
+    buffer = ReportBuffer(max_items=4)
+    for n in range(3):
+        buffer.add(event(n))
+    buffer.add(RankStepTime(0, 1, 0.1, 0.0, 1.0))
+    buffer.add(heartbeat(0, 1.0))
+    buffer.add(heartbeat(0, 2.0))
+    assert list(buffer.heartbeats) == [] and len(buffer.step_times) == 1
+    buffer.add(RankStepTime(0, 2, 0.1, 0.0, 2.0))  # no heartbeat left: the oldest step goes
+    assert [st.step for st in buffer.step_times] == [2]
+    for n in range(3, 6):
+        buffer.add(event(n))
+    # Over the bound, and still every event is kept.
+    assert len(buffer.events) == 6 and not buffer.step_times
+    assert buffer.counters.dropped_heartbeats == 2 and buffer.counters.dropped_step_times == 2
+    _, _, events = buffer.take(4)
+    assert [e.message for e in events] == ["event 0", "event 1", "event 2", "event 3"]
+
+
+def test_backoff_grows_to_its_cap() -> None:
+    assert 0.4 <= backoff_s(1) <= 0.6
+    assert 3.2 <= backoff_s(4) <= 4.8
+    assert backoff_s(50, cap_s=30) <= 36
+
+
+def test_server_time_for_the_clock_check(controller: FakeController) -> None:
+    from slurmft.agent.clock import measure_skew
+
+    skew = measure_skew(HttpTransport(controller.url, "tok").server_time)
+    assert 4.5 < skew.offset_s < 5.5 and skew.too_large(1.0)
