@@ -1,0 +1,38 @@
+"""The real local Slurm cluster for the contract tests (scripts/slurm-cluster up; SLURM_CONF)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+# tests/ has no packages (importlib import mode): put this folder on the path for its helpers.
+sys.path.insert(0, str(Path(__file__).parent))
+
+from local_cluster import Cluster
+
+from slurmft.slurm.cli_backend import CliSlurmClient
+
+
+@pytest.fixture(scope="session")
+def slurm_conf() -> Path:
+    return Path(os.environ["SLURM_CONF"])
+
+
+@pytest.fixture(scope="session")
+def client(slurm_conf: Path) -> CliSlurmClient:
+    return CliSlurmClient(slurm_conf=str(slurm_conf), timeout_s=20)
+
+
+@pytest.fixture
+def cluster(client: CliSlurmClient, slurm_conf: Path, tmp_path: Path) -> Iterator[Cluster]:
+    # Job output lands in tmp_path, written by slurmd (root) on this same host.
+    tmp_path.chmod(0o777)
+    cluster = Cluster(client, slurm_conf, tmp_path)
+    try:
+        yield cluster
+    finally:
+        cluster.undo()

@@ -1,0 +1,109 @@
+"""Helpers for the contract tests on the real local Slurm cluster.
+
+Each test gets a Cluster that remembers what it did — jobs submitted, nodes drained or killed —
+and undoes all of it afterwards, pass or fail, so one test never inherits another's wreckage.
+Waits poll every 0.2 s with a deadline; there are no fixed sleeps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TypeVar
+
+import pytest
+
+from slurmft.slurm.api import JobInfo, SlurmBadRequest, SlurmError, SubmitRequest
+from slurmft.slurm.cli_backend import CliSlurmClient
+from slurmft.slurm.script import render_batch_script
+
+REPO = Path(__file__).resolve().parents[3]
+CLUSTER_SCRIPT = REPO / "scripts" / "slurm-cluster"
+POLL_S = 0.2
+T = TypeVar("T")
+
+
+def wait_for(
+    what: str, probe: Callable[[], T], done: Callable[[T], bool], timeout_s: float = 30.0
+) -> tuple[T, float]:
+    """Poll until `done(probe())`; returns the last value and the seconds it took."""
+    started = time.monotonic()
+    while True:
+        value = probe()
+        if done(value):
+            return value, time.monotonic() - started
+        if time.monotonic() - started > timeout_s:
+            pytest.fail(f"timed out after {timeout_s:.0f} s waiting for {what}; last: {value!r}")
+        time.sleep(POLL_S)
+
+
+class Cluster:
+    """The client plus the cluster script, with an undo log."""
+
+    def __init__(self, client: CliSlurmClient, slurm_conf: Path, tmp_path: Path) -> None:
+        self.client = client
+        self.tmp_path = tmp_path
+        # The cluster script finds the cluster by its root: <root>/etc/slurm.conf.
+        self._script_env = {**os.environ, "SLURMFT_CLUSTER_ROOT": str(slurm_conf.parents[1])}
+        self._jobs: list[str] = []
+        self._killed: set[str] = set()
+        self._drained: set[str] = set()
+
+    def submit(self, command: Sequence[str], *, nodes: int, **fields: object) -> str:
+        fields.setdefault("output", str(self.tmp_path / "job-%j.out"))
+        request = SubmitRequest(
+            script=render_batch_script(command, env=fields.pop("env", None)),  # type: ignore[arg-type]
+            job_name=str(fields.pop("job_name", "slurmft-test")),
+            run_id=str(fields.pop("run_id", "test-run")),
+            nodes=nodes,
+            **fields,  # type: ignore[arg-type]
+        )
+        job_id = self.client.submit(request)
+        self._jobs.append(job_id)
+        return job_id
+
+    def wait_running(self, job_id: str, timeout_s: float = 30.0) -> tuple[JobInfo, float]:
+        return wait_for(
+            f"job {job_id} RUNNING",
+            lambda: self.client.job(job_id),
+            lambda job: job.state.value == "RUNNING",
+            timeout_s,
+        )
+
+    def drain(self, node: str, reason: str) -> None:
+        self._drained.add(node)
+        self.client.drain(node, reason)
+
+    def kill_node(self, node: str) -> None:
+        self._killed.add(node)
+        self._script("kill-node", node)
+
+    def revive(self, node: str) -> None:
+        self._script("revive", node)
+        self._killed.discard(node)
+
+    def _script(self, *args: str) -> None:
+        subprocess.run(
+            [str(CLUSTER_SCRIPT), *args], env=self._script_env, check=True,
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+
+    def undo(self) -> None:
+        for job_id in self._jobs:
+            with contextlib.suppress(SlurmError):
+                self.client.cancel(job_id)
+        for node in sorted(self._killed):
+            self.revive(node)
+        for node in sorted(self._drained | self._killed):
+            with contextlib.suppress(SlurmBadRequest):  # already back in service
+                self.client.resume(node)
+        # Idle, not merely schedulable: a cancelled job may still be completing on its nodes.
+        wait_for(
+            "every node idle again",
+            lambda: {name: str(info.status) for name, info in self.client.nodes().items()},
+            lambda statuses: all(status == "IDLE" for status in statuses.values()),
+        )
