@@ -165,6 +165,8 @@ def heartbeat_reports(batch: AgentBatch) -> list[HeartbeatReport]:
             step=hb.step,
             seq=round(hb.sent_at * 1_000_000),
             sent_at=utc(hb.sent_at),
+            progress_age_s=hb.progress_age_s,
+            deadline_s=hb.deadline_s,
         )
         for hb in batch.heartbeats
     ]

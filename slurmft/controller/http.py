@@ -1,0 +1,140 @@
+"""The daemon's HTTP endpoint for agents: bounded, authenticated, and never taken down by a
+bad request.
+
+stdlib's ThreadingHTTPServer is enough here: an agent sends one small batch every few seconds,
+and the store, not HTTP parsing, bounds the rate. Every request is answered with JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from sqlalchemy.exc import IntegrityError
+
+from slurmft.controller.ingest import IngestRefused, ingest_batch
+from slurmft.db import Database, DatabaseUnavailable
+from slurmft.protocol import (
+    BATCH_PATH,
+    CONTENT_TYPE,
+    MAX_BODY_BYTES,
+    TIME_PATH,
+    AgentBatch,
+    ProtocolError,
+    TimeReply,
+)
+
+log = logging.getLogger(__name__)
+
+
+class IngestServer:
+    """Serves BATCH_PATH and TIME_PATH on ``host:port`` in a background thread."""
+
+    def __init__(
+        self,
+        database: Database,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        sample_every: timedelta = timedelta(seconds=60),
+        clock: Callable[[], datetime] = lambda: datetime.now(UTC),
+    ) -> None:
+        handler = type(
+            "Handler",
+            (_Handler,),
+            {"database": database, "clock": staticmethod(clock), "sample_every": sample_every},
+        )
+        self._server = ThreadingHTTPServer((host, port), handler)
+        self._server.daemon_threads = True
+        self._thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        host, port = self._server.server_address[:2]
+        return f"http://{host}:{port}"
+
+    def start(self) -> IngestServer:
+        self._thread = threading.Thread(
+            target=self._server.serve_forever,
+            name="slurmft-ingest",
+            kwargs={"poll_interval": 0.2},
+            daemon=True,
+        )
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+
+class _Handler(BaseHTTPRequestHandler):
+    database: Database
+    clock: Callable[[], datetime]
+    sample_every: timedelta
+    server_version = "slurmft"
+
+    def log_message(self, format: str, *args: object) -> None:
+        log.debug("ingest %s " + format, self.client_address[0], *args)
+
+    def do_GET(self) -> None:
+        if self.path != TIME_PATH:
+            self._error(HTTPStatus.NOT_FOUND, f"no such path {self.path}")
+            return
+        self._reply(HTTPStatus.OK, TimeReply(server_time=self.clock().timestamp()).to_json())
+
+    def do_POST(self) -> None:
+        if self.path != BATCH_PATH:
+            self._error(HTTPStatus.NOT_FOUND, f"no such path {self.path}")
+            return
+        try:
+            self._reply(HTTPStatus.OK, self._ingest())
+        except IngestRefused as exc:
+            self._error(HTTPStatus(exc.status), str(exc))
+        except ProtocolError as exc:
+            self._error(HTTPStatus.BAD_REQUEST, str(exc))
+        except (DatabaseUnavailable, IntegrityError) as exc:
+            # The store is away, or a concurrent resend of the same batch won: retry later.
+            self._error(HTTPStatus.SERVICE_UNAVAILABLE, f"retry later: {type(exc).__name__}")
+        except Exception:
+            log.exception("ingest failed")
+            self._error(HTTPStatus.INTERNAL_SERVER_ERROR, "internal error; see the daemon's log")
+
+    def _ingest(self) -> bytes:
+        token = _bearer(self.headers.get("Authorization", ""))
+        if token is None:
+            raise IngestRefused(401, "missing 'Authorization: Bearer <run token>'")
+        length = self.headers.get("Content-Length")
+        if length is None or not length.isdigit():
+            raise IngestRefused(411, "Content-Length required")
+        if int(length) > MAX_BODY_BYTES:
+            raise IngestRefused(413, f"body of {length} bytes is over {MAX_BODY_BYTES}")
+        batch = AgentBatch.from_json(self.rfile.read(int(length)))
+        with self.database.session() as session:
+            reply = ingest_batch(
+                session, batch, token, now=self.clock(), sample_every=self.sample_every
+            )
+        return reply.to_json()
+
+    def _reply(self, status: HTTPStatus, body: bytes) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", CONTENT_TYPE)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def _error(self, status: HTTPStatus, message: str) -> None:
+        self.close_connection = True  # an unread body must never be parsed as the next request
+        self._reply(status, json.dumps({"error": message}).encode())
+
+
+def _bearer(header: str) -> str | None:
+    scheme, _, token = header.partition(" ")
+    return token.strip() or None if scheme.lower() == "bearer" else None

@@ -1,0 +1,264 @@
+"""The daemon's agent endpoint over real HTTP into a real store (SQLite and PostgreSQL)."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import time
+from collections.abc import Iterator
+from datetime import UTC, datetime
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from sqlalchemy import func, select
+
+from slurmft.controller import views as v
+from slurmft.controller.act import Executor
+from slurmft.controller.http import IngestServer
+from slurmft.controller.ingest import new_run_token
+from slurmft.db import Database
+from slurmft.db.models import (
+    Action,
+    ActionStatus,
+    Attempt,
+    Event,
+    RankHeartbeat,
+    Run,
+    StepTime,
+)
+from slurmft.protocol import (
+    BATCH_PATH,
+    MAX_BODY_BYTES,
+    TIME_PATH,
+    AgentBatch,
+    AgentEvent,
+    BatchReply,
+    RankStepTime,
+)
+from slurmft.protocol import (
+    RankHeartbeat as WireHeartbeat,
+)
+
+NOW = time.time()
+
+
+@pytest.fixture
+def tokens(database: Database) -> dict[str, str]:
+    out = {}
+    with database.session() as s:
+        for run_id in ("r1", "r2"):
+            token, digest = new_run_token()
+            s.add(
+                Run(
+                    id=run_id,
+                    name=run_id,
+                    owner_uid=1000,
+                    owner_name="alice",
+                    nodes=3,
+                    command=["train.py"],
+                    token_hash=digest,
+                )
+            )
+            out[run_id] = token
+        s.flush()
+        s.add(Attempt(run_id="r1", number=1, slurm_job_id="7"))
+    return out
+
+
+@pytest.fixture
+def server(database: Database) -> Iterator[IngestServer]:
+    srv = IngestServer(database).start()
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+def _post(
+    server: IngestServer, body: bytes, token: str | None, headers: dict[str, str] | None = None
+) -> tuple[int, dict[str, object]]:
+    host, port = server.url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=10)
+    all_headers = {"Content-Type": "application/json", **(headers or {})}
+    if token is not None:
+        all_headers["Authorization"] = f"Bearer {token}"
+    conn.request("POST", BATCH_PATH, body=body, headers=all_headers)
+    response = conn.getresponse()
+    data = json.loads(response.read())
+    conn.close()
+    return response.status, data
+
+
+def _batch(
+    seq: int = 1,
+    run_id: str = "r1",
+    node: str = "n2",
+    agent: str = "a-n2-1",
+    ranks: range = range(3, 6),
+) -> AgentBatch:
+    return AgentBatch(
+        run_id=run_id,
+        agent_id=agent,
+        node=node,
+        seq=seq,
+        sent_at=NOW + seq,
+        heartbeats=tuple(
+            WireHeartbeat(
+                rank=r,
+                local_rank=r - 3,
+                phase="step",
+                step=10 * seq,
+                progress_age_s=0.5,
+                deadline_s=300.0,
+                overdue=False,
+                sent_at=NOW + seq,
+            )
+            for r in ranks
+        ),
+        step_times=tuple(
+            RankStepTime(rank=r, step=10 * seq, compute_s=0.2, wait_s=0.05, ended_at=NOW + seq)
+            for r in ranks
+        ),
+        events=(
+            AgentEvent(
+                kind="restart",
+                occurred_at=NOW + seq,
+                message="workers restarted",
+                fault_class="hardware",
+            ),
+        ),
+    )
+
+
+def _count(database: Database, model: type) -> int:
+    with database.session() as s:
+        return s.scalar(select(func.count()).select_from(model)) or 0
+
+
+def test_a_batch_is_stored_once_however_often_it_is_sent(
+    database: Database, server: IngestServer, tokens: dict[str, str]
+) -> None:
+    for _ in range(3):
+        status, data = _post(server, _batch(seq=1).to_json(), tokens["r1"])
+        assert status == 200
+        reply = BatchReply.from_json(json.dumps({"v": 1, **data}))
+        assert reply.acked_seq == 1 and reply.commands == ()
+    assert (
+        _count(database, RankHeartbeat),
+        _count(database, StepTime),
+        _count(database, Event),
+    ) == (3, 3, 1)
+    assert _post(server, _batch(seq=2).to_json(), tokens["r1"])[0] == 200
+    assert (_count(database, StepTime), _count(database, Event)) == (6, 2)
+    with database.session() as s:
+        hb = s.get(RankHeartbeat, ("r1", 4))
+        assert hb is not None and (hb.step, hb.node, hb.deadline_s) == (20, "n2", 300.0)
+        event = s.scalars(select(Event)).first()
+        assert event is not None and (event.source, event.node, event.attempt_id) == (
+            "agent",
+            "n2",
+            1,
+        )
+
+
+@pytest.mark.parametrize(
+    ("token_for", "status"),
+    [(None, 401), ("wrong", 403), ("r2", 403)],
+    ids=["no token", "wrong token", "another run's token"],
+)
+def test_a_batch_without_its_run_token_is_refused(
+    database: Database,
+    server: IngestServer,
+    tokens: dict[str, str],
+    token_for: str | None,
+    status: int,
+) -> None:
+    token = None if token_for is None else tokens.get(token_for, "not-a-token")
+    got, data = _post(server, _batch().to_json(), token)
+    assert got == status and "error" in data
+    assert _count(database, StepTime) == 0
+
+
+def test_oversized_and_malformed_payloads_are_refused_and_the_server_stays_up(
+    database: Database, server: IngestServer, tokens: dict[str, str]
+) -> None:
+    status, data = _post(
+        server, b"x", tokens["r1"], headers={"Content-Length": str(MAX_BODY_BYTES + 1)}
+    )
+    assert status == 413
+    status, data = _post(server, b'{"v": 1, "run_id": "r1"}', tokens["r1"])
+    assert status == 400 and "missing" in str(data["error"])
+    status, data = _post(server, b"\xff\xfe not json", tokens["r1"])
+    assert status == 400
+    assert _post(server, _batch().to_json(), tokens["r1"])[0] == 200
+
+
+def test_the_reply_tells_an_excluded_node_to_leave_and_a_hung_one_to_restart(
+    database: Database, server: IngestServer, tokens: dict[str, str]
+) -> None:
+    Executor(database, slurm=None).execute(
+        [  # type: ignore[arg-type]
+            v.ExcludeNode("r1", "slurmft: Xid 79 GPU has fallen off the bus (GPU 3)", node="n2"),
+            v.RestartWorkers("r1", "slurmft: hang rank 7", node="n3"),
+        ]
+    )
+    _, data = _post(server, _batch(node="n2").to_json(), tokens["r1"])
+    assert data["commands"] == [
+        {"kind": "leave", "reason": "slurmft: Xid 79 GPU has fallen off the bus (GPU 3)"}
+    ]
+    _, data = _post(server, _batch(node="n3", agent="a-n3-1").to_json(), tokens["r1"])
+    assert data["commands"] == [{"kind": "restart_workers", "reason": "slurmft: hang rank 7"}]
+    _, data = _post(server, _batch(seq=2, node="n3", agent="a-n3-1").to_json(), tokens["r1"])
+    assert data["commands"] == []  # delivered once
+    with database.session() as s:
+        statuses = s.scalars(select(Action.status).order_by(Action.id)).all()
+    assert statuses == [ActionStatus.DONE, ActionStatus.DONE]
+
+
+def test_time_endpoint_for_the_clock_skew_check(server: IngestServer) -> None:
+    host, port = server.url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=10)
+    conn.request("GET", TIME_PATH)
+    data = json.loads(conn.getresponse().read())
+    assert abs(data["server_time"] - datetime.now(UTC).timestamp()) < 5
+
+
+_json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
+    lambda children: (
+        st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=10), children, max_size=4)
+    ),
+    max_leaves=20,
+)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    body=st.one_of(
+        st.binary(max_size=300),
+        _json_values.map(lambda value: json.dumps(value).encode()),
+        st.dictionaries(
+            st.sampled_from(
+                [
+                    "v",
+                    "run_id",
+                    "agent_id",
+                    "node",
+                    "seq",
+                    "sent_at",
+                    "heartbeats",
+                    "step_times",
+                    "events",
+                ]
+            ),
+            _json_values,
+        ).map(lambda d: json.dumps({"v": 1, **d}).encode()),
+    )
+)
+def test_garbage_never_gets_past_validation(
+    database: Database, server: IngestServer, tokens: dict[str, str], body: bytes
+) -> None:
+    status, data = _post(server, body, tokens["r1"])
+    assert status in {400, 403}, data
+    assert _count(database, StepTime) == 0
