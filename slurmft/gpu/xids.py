@@ -158,3 +158,15 @@ def classify_recovery_action(value: int) -> tuple[FaultAction, str]:
     if value == 0:
         return FaultAction.RECORD, "GPU recovery action None"
     return FaultAction.DRAIN, f"GPU recovery action {name}"
+
+
+def xid_table_markdown() -> str:
+    """The table as Markdown (docs/gpu.md carries it; a test keeps the two equal)."""
+    lines = [
+        "| Xid | NVIDIA mnemonic | drain reason / summary | NVIDIA immediate action | slurmft |",
+        "|---:|---|---|---|---|",
+    ]
+    for xid, rule in sorted(XID_TABLE.items()):
+        lines.append(f"| {xid} | `{rule.mnemonic}` | {rule.summary} | {rule.nvidia_action} | "
+                     f"{rule.action} |")
+    return "\n".join(lines) + "\n"

@@ -4,13 +4,19 @@ lemon judgement, both as tables."""
 from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 
 import pytest
 
 from slurmft.db.models import FaultClass
 from slurmft.gpu.api import FaultAction, FaultKind, GpuFault
 from slurmft.gpu.lemons import XidOccurrence, judge_lemons
-from slurmft.gpu.xids import XID_TABLE, classify_recovery_action, classify_xid
+from slurmft.gpu.xids import (
+    XID_TABLE,
+    classify_recovery_action,
+    classify_xid,
+    xid_table_markdown,
+)
 
 R, D, REC = FaultAction.RESTART_APP, FaultAction.DRAIN, FaultAction.RECORD
 
@@ -157,3 +163,8 @@ def test_lemon_verdict_says_why_and_respects_min_runs() -> None:
     assert not judge_lemons(history, now=NOW, min_runs=4)["n1"].is_lemon
     with pytest.raises(ValueError, match="one run alone"):
         judge_lemons(history, now=NOW, min_runs=1)
+
+
+def test_docs_carry_the_table_as_generated() -> None:
+    docs = Path(__file__).resolve().parents[3] / "docs" / "gpu.md"
+    assert xid_table_markdown() in docs.read_text(), "regenerate the table in docs/gpu.md"
