@@ -119,3 +119,28 @@ def test_bad_requests_get_clear_errors(socket_path: Path) -> None:
 def test_no_daemon_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(DaemonUnreachable, match="slurmft daemon is not running"):
         call(tmp_path / "absent.sock", "runs")
+
+
+def test_cli_commands_go_through_the_socket(
+    socket_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from slurmft.cli import main
+
+    monkeypatch.setenv("SLURMFT_PATHS_RUNTIME_DIR", str(socket_path.parent))
+
+    def run(*argv: str) -> str:
+        with pytest.raises(SystemExit) as info:
+            main(list(argv))
+        out, err = capsys.readouterr()
+        assert info.value.code == 0, err
+        return out
+
+    assert {r["run_id"] for r in json.loads(run("runs", "--json"))} == {"ra", "rb"}
+    assert "alice-run" in run("status", "ra")
+    assert "node_lost n2: lost n2" in run("events", "ra")
+    assert "cancel requested for rb" in run("cancel", "rb")
+    monkeypatch.setenv("SLURMFT_PATHS_RUNTIME_DIR", "/nonexistent")
+    with pytest.raises(SystemExit) as info:
+        main(["runs"])
+    assert info.value.code == 1
+    assert "daemon is not running" in capsys.readouterr().err
