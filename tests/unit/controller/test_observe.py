@@ -1,0 +1,110 @@
+"""Observation mapping on output recorded from the real Slurm 22.05 commands."""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import pytest
+
+from slurmft.controller.observe import (
+    StepSample,
+    batch_exit,
+    job_end,
+    job_view,
+    node_condition,
+    rank_compute,
+)
+from slurmft.controller.views import JobEnd, JobPhase, NodeCondition
+from slurmft.slurm.api import JobInfo
+from slurmft.slurm.parse import job_from_scontrol, parse_scontrol_records, parse_sinfo_nodes
+from slurmft.slurm.states import JobState
+
+FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "slurm" / "22.05"
+
+
+def _stdout(name: str) -> str:
+    return json.loads((FIXTURES / f"{name}.json").read_text())["stdout"]
+
+
+def _job(name: str) -> JobInfo:
+    return job_from_scontrol(parse_scontrol_records(_stdout(name))[0])
+
+
+def test_node_conditions_from_recorded_sinfo() -> None:
+    down = parse_sinfo_nodes(_stdout("sinfo_nodes_down"))
+    drained = parse_sinfo_nodes(_stdout("sinfo_nodes_drained"))
+    assert node_condition(down["n1"]) is NodeCondition.LOST  # down*, not responding
+    assert node_condition(down["n2"]) is NodeCondition.OK
+    assert node_condition(drained["n3"]) is NodeCondition.OK  # our own drain ("slurmft: ...")
+    assert node_condition(drained["n6"]) is NodeCondition.DRAINED_BY_OTHERS
+    assert node_condition(None) is NodeCondition.LOST
+
+
+def test_running_job_whose_batch_host_died() -> None:
+    job = _job("show_job_batch_host_down")
+    nodes = parse_sinfo_nodes(_stdout("sinfo_nodes_down"))
+    view = job_view(job, nodes)
+    assert view is not None and view.phase is JobPhase.RUNNING
+    assert view.batch_host == "n1" and view.batch_host_down
+
+
+def test_running_job_with_a_live_batch_host() -> None:
+    view = job_view(_job("show_job_running"), parse_sinfo_nodes(_stdout("sinfo_nodes_drained")))
+    assert view is not None and view.phase is JobPhase.RUNNING and not view.batch_host_down
+
+
+def test_ended_and_waiting_jobs() -> None:
+    completed = job_view(_job("show_job_completed"), {})
+    assert completed is not None and (completed.phase, completed.end) == (
+        JobPhase.ENDED,
+        JobEnd.FINISHED,
+    )
+    requeued = job_view(_job("show_job_pending_excluded"), {})
+    assert requeued is not None and requeued.phase is JobPhase.PENDING
+
+
+@pytest.mark.parametrize(
+    ("state", "exit_code", "end"),
+    [
+        (JobState.TIMEOUT, "0:15", JobEnd.TIME_LIMIT),
+        (JobState.PREEMPTED, "0:15", JobEnd.PREEMPTED),
+        (JobState.CANCELLED, "0:15", JobEnd.CANCELLED),
+        (JobState.NODE_FAIL, "0:0", JobEnd.NODE_FAIL),
+        (JobState.COMPLETED, "0:0", JobEnd.FINISHED),
+        (JobState.FAILED, "76:0", JobEnd.GAVE_UP),
+        (JobState.FAILED, "1:0", JobEnd.FAILED),
+        (JobState.FAILED, "0:9", JobEnd.FAILED),
+        (JobState.OUT_OF_MEMORY, "0:125", JobEnd.FAILED),
+    ],
+)
+def test_job_end_table(state: JobState, exit_code: str, end: JobEnd) -> None:
+    assert job_end(JobInfo("1", state, exit_code=exit_code)) is end
+
+
+def test_batch_exit_parsing() -> None:
+    assert [batch_exit(c) for c in ("75:0", "0:0", "0:9", "", "x:0")] == [75, 0, None, None, None]
+
+
+def test_unknown_state_is_never_acted_on() -> None:
+    assert job_view(JobInfo("1", JobState.UNKNOWN), {}) is None
+
+
+T0 = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
+
+
+def test_rank_compute_buckets_per_minute_medians() -> None:
+    samples = [
+        StepSample(rank, f"n{rank + 1}", "", T0 - timedelta(seconds=s), compute)
+        for rank, compute in ((0, 1.0), (1, 1.3), (2, 1.0))
+        for s in range(5, 180, 10)
+    ]
+    samples.append(StepSample(3, "n4", "", T0 - timedelta(seconds=20), 1.0))  # newcomer
+    samples.append(StepSample(0, "n1", "", T0 - timedelta(hours=1), 99.0))  # out of window
+    computes = rank_compute(samples, now=T0, bucket=timedelta(minutes=1), buckets=3)
+    assert [(c.rank, c.buckets) for c in computes] == [
+        (0, (1.0, 1.0, 1.0)),
+        (1, (1.3, 1.3, 1.3)),
+        (2, (1.0, 1.0, 1.0)),
+    ]
