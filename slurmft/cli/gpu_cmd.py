@@ -17,9 +17,14 @@ app = typer.Typer(help="GPU health on this node (NVML, kernel-log Xids, DCGM).",
 def status(
     ctx: typer.Context,
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+    since_boot: Annotated[
+        bool,
+        typer.Option("--since-boot", help="Kernel-log Xids since boot, not only from now on."),
+    ] = False,
 ) -> None:
     """Print every probe source, its status and the faults it sees, with their classification."""
-    with GpuProbe.from_config(state(ctx).config) as probe:
+    since = 0.0 if since_boot else None
+    with GpuProbe.from_config(state(ctx).config, since_monotonic_s=since) as probe:
         report = probe.check()
     if as_json:
         echo_json(report.to_dict())

@@ -10,6 +10,10 @@ pairs::
     kind=remap_pending,gpu=0        kind=recovery_action,gpu=2,value=2
     kind=gpu_lost,gpu=5             kind=clock_slowdown,gpu=0,reasons=0x40
 
+A ``node=n2`` pair limits a line to that node (``$SLURMD_NODENAME``, else the host name): on
+the local Slurm cluster every emulated node shares one host and one environment, so this is
+how a test makes exactly one of them report the fault.
+
 Injected Xids go through the same classification table as real ones. The file is reread on
 every check, so a test can append a line while an agent runs and see it streamed.
 """
@@ -17,6 +21,8 @@ every check, so a test can append a line while an agent runs and see it streamed
 from __future__ import annotations
 
 import json
+import os
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -85,8 +91,9 @@ def fault_from_spec(spec: dict[str, Any], key: str) -> GpuFault:
 class InjectionSource:
     name = "inject"
 
-    def __init__(self, spec: str) -> None:
+    def __init__(self, spec: str, *, node_name: str | None = None) -> None:
         self._spec = spec
+        self._node = node_name or os.environ.get("SLURMD_NODENAME") or socket.gethostname()
 
     def start(self) -> None:
         """Nothing runs in the background: the spec is reread on every check."""
@@ -110,7 +117,10 @@ class InjectionSource:
             if not line.strip() or line.lstrip().startswith("#"):
                 continue
             try:
-                faults.append(fault_from_spec(parse_spec_line(line), f"line:{number}"))
+                spec = parse_spec_line(line)
+                if str(spec.pop("node", self._node)) != self._node:
+                    continue  # meant for another node
+                faults.append(fault_from_spec(spec, f"line:{number}"))
             except (ValueError, KeyError) as exc:  # JSON, int() and InjectionError
                 errors.append(f"line {number}: {exc}")
         if errors:

@@ -82,3 +82,16 @@ def test_status_text_names_the_verdict(capsys: pytest.CaptureFixture[str],
 def test_gpu_group_is_in_the_help(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = _run_cli(capsys, "--help")
     assert code == 0 and "gpu" in out
+
+
+def test_since_boot_shows_older_kernel_log_xids(capsys: pytest.CaptureFixture[str],
+                                                isolated_env: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    log = isolated_env / "kernel-nvrm.log"  # what a site's root HealthCheckProgram writes
+    log.write_text("[   12.500000] NVRM: Xid (PCI:0000:3b:00): 48, pid=7, DBE\n")
+    monkeypatch.setenv("SLURMFT_GPU_KERNEL_LOG_FILE", str(log))
+    _, out, _ = _run_cli(capsys, "gpu", "status", "--json")
+    assert json.loads(out)["faults"] == []  # 12.5 s after boot is before this probe started
+    _, out, _ = _run_cli(capsys, "gpu", "status", "--json", "--since-boot")
+    (fault,) = json.loads(out)["faults"]
+    assert (fault["xid"], fault["pci_bus"], fault["source"]) == (48, "0000:3b:00", "file")

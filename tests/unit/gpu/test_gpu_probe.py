@@ -53,6 +53,14 @@ def test_injection_file_with_json_and_key_value_lines_grows(tmp_path: Path) -> N
                      FaultKind.RETIRED_PAGES_PENDING]
 
 
+def test_injection_lines_can_target_one_node(monkeypatch: pytest.MonkeyPatch) -> None:
+    spec = "xid=79,gpu=3,node=n2;xid=13,gpu=0;{\"xid\": 48, \"gpu\": 1, \"node\": \"n5\"}"
+    assert [f.xid for f in InjectionSource(spec, node_name="n2").check().faults] == [79, 13]
+    assert [f.xid for f in InjectionSource(spec, node_name="n5").check().faults] == [13, 48]
+    monkeypatch.setenv("SLURMD_NODENAME", "n5")  # what Slurm sets in every job step
+    assert [f.xid for f in InjectionSource(spec).check().faults] == [13, 48]
+
+
 def test_bad_injection_lines_are_reported_with_their_line_number() -> None:
     report = InjectionSource("xid=79,gpu=3;kind=meteor,gpu=1;gpu;xid=lots").check()
     assert report.status is SourceStatus.UNAVAILABLE
