@@ -9,10 +9,43 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
 from slurmft.agent.exits import BatchExit
-from slurmft.controller.detect import RankCompute
-from slurmft.controller.views import JobEnd, JobPhase, JobView, NodeCondition
-from slurmft.slurm.api import JobInfo, NodeInfo
+from slurmft.controller.budget import RestartBudget
+from slurmft.controller.detect import RankBeat, RankCompute
+from slurmft.controller.views import (
+    ClusterView,
+    JobEnd,
+    JobPhase,
+    JobView,
+    NodeCondition,
+    NodeView,
+    RunView,
+)
+from slurmft.db.models import (
+    Action,
+    ActionKind,
+    ActionStatus,
+    Attempt,
+    Event,
+    EventKind,
+    NodeRole,
+    RankHeartbeat,
+    Run,
+    StepTime,
+)
+from slurmft.db.records import denied_nodes
+from slurmft.db.states import RunState
+from slurmft.slurm.api import (
+    JobInfo,
+    NodeInfo,
+    SlurmClient,
+    SlurmJobNotFound,
+    SlurmTimeout,
+    SlurmUnreachable,
+)
 from slurmft.slurm.states import JobPhase as SlurmPhase
 from slurmft.slurm.states import JobState
 
@@ -107,3 +140,210 @@ def rank_compute(
         for rank, values in sorted(per_rank.items())
         if all(values)
     )
+
+
+# --- gathering: the only I/O of observe -------------------------------------------------------
+
+LIVE_RUN_STATES = (RunState.PENDING, RunState.RUNNING, RunState.RECOVERING)
+FINDING_KINDS = (
+    EventKind.NODE_LOST,
+    EventKind.GPU_FAULT,
+    EventKind.HANG,
+    EventKind.STRAGGLER,
+    EventKind.BATCH_HOST_DOWN,
+    EventKind.CHANNEL_SILENT,
+    EventKind.TIME_LIMIT,
+    EventKind.PREEMPTED,
+)
+
+
+def gather(
+    session: Session,
+    slurm: SlurmClient,
+    *,
+    now: datetime,
+    max_restarts: int,
+    bucket: timedelta = timedelta(minutes=1),
+    buckets: int = 5,
+) -> ClusterView:
+    """Everything ``decide`` needs, from the store and two batched Slurm queries."""
+    runs = session.scalars(select(Run).where(Run.state.in_(LIVE_RUN_STATES))).all()
+    attempts = {run.id: _latest_attempt(session, run.id) for run in runs}
+    job_ids = sorted({a.slurm_job_id for a in attempts.values() if a and a.slurm_job_id})
+    try:
+        jobs = slurm.jobs(job_ids)
+        nodes = slurm.nodes()  # every node: one call, and the partition's size for the caps
+        jobs |= _ended_details(
+            slurm, [j for j in job_ids if j not in jobs or jobs[j].state.is_ended]
+        )
+    except (SlurmUnreachable, SlurmTimeout):
+        return ClusterView(now=now, slurm_reachable=False)
+    views = tuple(
+        _run_view(
+            session,
+            run,
+            attempts[run.id],
+            jobs,
+            nodes,
+            now=now,
+            max_restarts=max_restarts,
+            bucket=bucket,
+            buckets=buckets,
+        )
+        for run in runs
+    )
+    return ClusterView(
+        now=now,
+        slurm_reachable=True,
+        runs=views,
+        denylist=denied_nodes(session, now=now),
+        drains_last_hour=_drains_since(session, now - timedelta(hours=1)),
+        partition_nodes=len(nodes),
+        drained_nodes=sum(
+            1
+            for n in nodes.values()
+            if n.status.drain_requested and n.reason.startswith(OWN_DRAIN_PREFIX)
+        ),
+        straggler_windows=_straggler_windows(session),
+    )
+
+
+def _ended_details(slurm: SlurmClient, job_ids: list[str]) -> dict[str, JobInfo]:
+    """Ended (or vanished) jobs in detail: squeue has no exit code; a job purged from slurmctld
+    is reported as failed without an exit status."""
+    details = {}
+    for job_id in job_ids:
+        try:
+            details[job_id] = slurm.job(job_id)
+        except SlurmJobNotFound:
+            details[job_id] = JobInfo(job_id, JobState.FAILED, reason="purged from slurmctld")
+    return details
+
+
+def _latest_attempt(session: Session, run_id: str) -> Attempt | None:
+    return session.scalars(
+        select(Attempt).where(Attempt.run_id == run_id).order_by(Attempt.number.desc()).limit(1)
+    ).first()
+
+
+def _run_view(
+    session: Session,
+    run: Run,
+    attempt: Attempt | None,
+    jobs: Mapping[str, JobInfo],
+    nodes: Mapping[str, NodeInfo],
+    *,
+    now: datetime,
+    max_restarts: int,
+    bucket: timedelta,
+    buckets: int,
+) -> RunView:
+    info = jobs.get(attempt.slurm_job_id) if attempt and attempt.slurm_job_id else None
+    job = job_view(info, nodes) if info else None
+    since = attempt.submitted_at if attempt else run.created_at
+    return RunView(
+        run_id=run.id,
+        nodes_needed=run.nodes,
+        job=job,
+        nodes=_node_views(session, attempt, info, nodes),
+        beats=_beats(session, run.id, attempt),
+        compute=rank_compute(
+            _step_samples(session, run.id, now - bucket * buckets),
+            now=now,
+            bucket=bucket,
+            buckets=buckets,
+        ),
+        excluded=denied_nodes(session, run_id=run.id, now=now),
+        budget=RestartBudget(
+            max_without_progress=max_restarts, charged_in_a_row=run.restarts_without_progress
+        ),
+        cancel_requested=run.cancel_requested_at is not None,
+        reported=_reported_keys(session, run.id, since),
+    )
+
+
+def _node_views(
+    session: Session,
+    attempt: Attempt | None,
+    info: JobInfo | None,
+    nodes: Mapping[str, NodeInfo],
+) -> tuple[NodeView, ...]:
+    roles = {n.node: n.role for n in attempt.nodes} if attempt else {}
+    held = set(info.nodes) if info and info.state.holds_nodes else set()
+    views = []
+    for name in sorted(held | set(roles)):
+        # A node the job no longer holds was taken away from it (shrunk under --no-kill).
+        condition = node_condition(nodes.get(name)) if name in held else NodeCondition.LOST
+        views.append(NodeView(name, roles.get(name, NodeRole.ACTIVE), condition))
+    return tuple(views)
+
+
+def _beats(session: Session, run_id: str, attempt: Attempt | None) -> tuple[RankBeat, ...]:
+    query = select(RankHeartbeat).where(RankHeartbeat.run_id == run_id)
+    if attempt is not None:
+        query = query.where(RankHeartbeat.attempt_id == attempt.id)
+    return tuple(
+        RankBeat(
+            hb.rank,
+            hb.node,
+            hb.phase,
+            hb.step,
+            hb.received_at,
+            hb.progress_age_s,
+            hb.deadline_s if hb.deadline_s is not None else float("inf"),
+        )
+        for hb in session.scalars(query)
+    )
+
+
+def _step_samples(session: Session, run_id: str, since: datetime) -> list[StepSample]:
+    rows = session.execute(
+        select(
+            StepTime.rank,
+            StepTime.peer_group,
+            StepTime.ended_at,
+            StepTime.compute_s,
+            RankHeartbeat.node,
+        )
+        .join(
+            RankHeartbeat,
+            (RankHeartbeat.run_id == StepTime.run_id) & (RankHeartbeat.rank == StepTime.rank),
+        )
+        .where(StepTime.run_id == run_id, StepTime.ended_at >= since)
+    ).all()
+    return [
+        StepSample(rank, node, group, ended, compute) for rank, group, ended, compute, node in rows
+    ]
+
+
+def _reported_keys(session: Session, run_id: str, since: datetime) -> frozenset[str]:
+    details = session.scalars(
+        select(Event.details).where(
+            Event.run_id == run_id, Event.kind.in_(FINDING_KINDS), Event.recorded_at >= since
+        )
+    )
+    return frozenset(d["key"] for d in details if isinstance(d, dict) and d.get("key"))
+
+
+def _drains_since(session: Session, since: datetime) -> int:
+    return (
+        session.scalar(
+            select(func.count())
+            .select_from(Action)
+            .where(
+                Action.kind == ActionKind.DRAIN_NODE,
+                Action.status == ActionStatus.DONE,
+                Action.created_at >= since,
+            )
+        )
+        or 0
+    )
+
+
+def _straggler_windows(session: Session) -> dict[str, int]:
+    rows = session.execute(
+        select(Event.node, func.count())
+        .where(Event.kind == EventKind.STRAGGLER, Event.node.is_not(None))
+        .group_by(Event.node)
+    ).all()
+    return {node: count for node, count in rows}
