@@ -30,6 +30,7 @@ _XID = re.compile(r"NVRM: Xid \((?:PCI:)?" + _BUS + r"\): (?P<xid>\d+),?\s*(?P<r
 _PID = re.compile(r"^pid=(?P<pid>'?<?[\w]+>?'?),\s*")
 _NAME = re.compile(r"^name=(?P<name>[^,]*),\s*")
 _FELL_ONE_LINE = re.compile(r"NVRM: GPU " + _BUS + r": GPU has fallen off the bus")
+_FELL_WHOLE = re.compile(r"NVRM: The NVIDIA GPU " + _BUS + r"\s.*fallen off the bus")
 _FELL_HEAD = re.compile(r"NVRM: The NVIDIA GPU " + _BUS + r"\s*$")
 _FELL_TAIL = re.compile(r"NVRM: fallen off the bus and is not responding")
 
@@ -67,7 +68,10 @@ def split_framing(line: str) -> KernelLine | None:
     if not line.strip() or (line.startswith(" ") and "NVRM:" not in line):
         return None  # kmsg dictionary continuation (" SUBSYSTEM=pci") or blank
     if m := _KMSG.match(line):
-        return KernelLine(m["msg"], int(m["usec"]) / 1e6, int(m["seq"]))
+        # kmsg escapes a multi-line message's newlines as \x0a (dmesg prints them as indented
+        # lines instead): make it one line so the whole-message patterns see all of it.
+        message = m["msg"].replace("\\x0a", " ")
+        return KernelLine(message, int(m["usec"]) / 1e6, int(m["seq"]))
     if m := _SYSLOG.match(line):
         line = m["msg"]  # syslog may still carry a dmesg-style [seconds] stamp
     if m := _DMESG_MONO.match(line):
@@ -94,7 +98,7 @@ class XidParser:
         msg = kline.message
         if m := _XID.search(msg):
             return _xid_record(m, line, kline)
-        if m := _FELL_ONE_LINE.search(msg):
+        if m := _FELL_ONE_LINE.search(msg) or _FELL_WHOLE.search(msg):
             return _bus_loss(m["bus"], line, kline)
         if m := _FELL_HEAD.search(msg):
             self._fell = (m["bus"], kline)

@@ -160,6 +160,19 @@ def test_three_line_fallen_off_the_bus_without_xid_is_xid_79() -> None:
     assert record.monotonic_s == pytest.approx(1843.308145)
 
 
+def test_fallen_off_the_bus_as_one_kmsg_record() -> None:
+    # The same NVSentinel #155 message as /dev/kmsg gives it: one record whose newlines are
+    # escaped as \x0a (Documentation/ABI/testing/dev-kmsg); dmesg prints those as the indented
+    # continuation lines above.
+    record = (
+        "3,1500,1843308145,-;NVRM: The NVIDIA GPU 0000:b3:00.0\\x0aNVRM: (PCI ID: 10de:26b5) "
+        "installed in this system has\\x0aNVRM: fallen off the bus and is not responding to "
+        "commands."
+    )
+    (found,) = parse_xid_lines(record)
+    assert (found.xid, found.pci_bus, found.seq) == (79, "0000:b3:00", 1500)
+
+
 def test_one_line_fallen_off_the_bus_is_xid_79() -> None:
     # driver 610.43.02 prints it after the Xid 79 line (the Xid 154 write-up above)
     (record,) = parse_xid_lines("NVRM: GPU 0000:01:00.0: GPU has fallen off the bus.")
