@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from local_cluster import Cluster, wait_for
 
-from slurmft.slurm.api import SlurmBadRequest, SlurmJobNotFound, SlurmUnreachable
+from slurmft.slurm.api import SignalTarget, SlurmBadRequest, SlurmJobNotFound, SlurmUnreachable
 from slurmft.slurm.cli_backend import CliSlurmClient
 from slurmft.slurm.hostlist import compress, expand
 from slurmft.slurm.script import job_name_for, run_id_from_comment
@@ -204,3 +204,20 @@ def test_hostlists_agree_with_scontrol(names: list[str]) -> None:
         ["scontrol", "show", "hostnames", expression], capture_output=True, text=True, check=True
     )
     assert sorted(slurm.stdout.split()) == sorted(expand(expression)) == sorted(set(names))
+
+
+def test_signal_reaches_steps_or_batch_shell(cluster: Cluster) -> None:
+    d = cluster.tmp_path
+    batch_shell = (
+        f"trap 'touch {d}/batch-usr1' USR1\n"
+        f"srun -N1 -n1 bash -c 'trap \"touch {d}/step-usr1\" USR1; touch {d}/step-ready;"
+        " while true; do sleep 0.1; done' &\n"
+        "while true; do sleep 0.1; done\n"
+    )
+    job_id = cluster.submit(["bash", "-c", batch_shell], nodes=1)
+    wait_for("the step", (d / "step-ready").exists, lambda ready: ready, 30)
+    cluster.client.signal(job_id, "USR1", SignalTarget.STEPS)
+    wait_for("USR1 in the step", (d / "step-usr1").exists, lambda got: got, 10)
+    assert not (d / "batch-usr1").exists()  # measured on 22.05: steps only
+    cluster.client.signal(job_id, "USR1", SignalTarget.BATCH)
+    wait_for("USR1 in the batch shell", (d / "batch-usr1").exists, lambda got: got, 10)
