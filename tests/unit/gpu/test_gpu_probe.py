@@ -217,3 +217,31 @@ def test_from_config_reads_the_gpu_settings(spec: str, monkeypatch: pytest.Monke
     probe = GpuProbe.from_config(config)
     names = [s.name for s in probe.sources]
     assert names == (["nvml", "kernel_log", "inject"] if spec else ["nvml", "kernel_log"])
+
+
+def _every_source(tmp_path: Path) -> list[object]:
+    from slurmft.gpu.kmsg import KernelLogSource
+    from slurmft.gpu.nvml import NvmlSource
+
+    return [
+        NvmlSource(),  # the real pynvml: no driver here, or the GPUs where there are some
+        KernelLogSource(file_path=tmp_path / "missing"),
+        KernelLogSource(kmsg_path=tmp_path / "missing",
+                        run=lambda argv, **_: subprocess.CompletedProcess(argv, 1, "", "denied")),
+        DcgmSource(which=lambda _: None),
+        InjectionSource("xid=79,gpu=3"),
+    ]
+
+
+def test_every_source_keeps_the_protocol_and_never_raises(tmp_path: Path) -> None:
+    from slurmft.gpu.api import ProbeSource
+
+    for source in _every_source(tmp_path):
+        assert isinstance(source, ProbeSource), source
+        source.start()
+        first, again = source.check(), source.check()
+        source.close()
+        source.close()  # twice is fine
+        assert isinstance(first, SourceReport) and first.source == source.name
+        assert [f.identity() for f in first.faults] == [f.identity() for f in again.faults]
+        json.dumps(first.to_dict())
