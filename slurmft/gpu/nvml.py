@@ -106,8 +106,9 @@ class NvmlSource:
         if self._nvml is None:
             try:
                 self._nvml = importlib.import_module("pynvml")
-            except ImportError:
-                self._status, self._reason = SourceStatus.SKIPPED, "nvidia-ml-py not installed"
+            except ImportError as exc:  # not installed, or (seen) its ctypes unreadable
+                self._status = SourceStatus.SKIPPED
+                self._reason = f"cannot import pynvml (package nvidia-ml-py): {exc}"
                 return
         nvml = self._nvml
         try:

@@ -313,3 +313,12 @@ def test_unknown_xid_event_restarts_the_app() -> None:
     (fault,) = source.check().faults
     source.close()
     assert (fault.xid, fault.action, fault.summary) == (999, FaultAction.RESTART_APP, "unknown Xid")
+
+
+def test_pynvml_that_cannot_be_imported_is_skipped_with_the_reason(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # import raises ImportError
+    report = NvmlSource().check()
+    assert report.status is SourceStatus.SKIPPED
+    assert report.reason.startswith("cannot import pynvml (package nvidia-ml-py)")
