@@ -322,3 +322,15 @@ def test_pynvml_that_cannot_be_imported_is_skipped_with_the_reason(
     report = NvmlSource().check()
     assert report.status is SourceStatus.SKIPPED
     assert report.reason.startswith("cannot import pynvml (package nvidia-ml-py)")
+
+
+def test_probe_maps_kernel_log_buses_to_nvml_indices(tmp_path: Any) -> None:
+    from slurmft.gpu.probe import GpuProbe
+
+    log = tmp_path / "kernel-nvrm.log"
+    log.write_text("NVRM: Xid (PCI:0000:b3:00): 79, pid=9, GPU has fallen off the bus.\n")
+    fake = FakeNvml([FakeGpu(0, "00000000:18:00.0"), FakeGpu(1, "00000000:B3:00.0")])
+    with GpuProbe.default(nvml=fake, kernel_log_file=log, use_dcgm=False) as probe:
+        report = probe.check()
+    assert not report.no_gpu and report.gpu_count == 2
+    assert report.drain_reason() == "slurmft: Xid 79 GPU fell off the bus (GPU 1)"
