@@ -8,7 +8,15 @@ from typing import Annotated
 import typer
 
 from slurmft import __version__
-from slurmft.cli import agent_cmd, config_cmd, db_cmd, gpu_cmd, history_cmd, runs_cmd
+from slurmft.cli import (
+    agent_cmd,
+    config_cmd,
+    daemon_cmd,
+    db_cmd,
+    gpu_cmd,
+    history_cmd,
+    runs_cmd,
+)
 from slurmft.cli.context import CliState
 
 app = typer.Typer(
@@ -25,6 +33,7 @@ app.add_typer(db_cmd.app, name="db")
 app.add_typer(history_cmd.app, name="history")
 app.add_typer(gpu_cmd.app, name="gpu")
 runs_cmd.register(app)
+daemon_cmd.register(app)
 
 
 def _version(value: bool) -> None:

@@ -15,7 +15,7 @@ import pytest
 from local_cluster import Cluster, wait_for
 from sqlalchemy import func, select
 
-from slurmft.controller.rpc import SOCKET_NAME, call
+from slurmft.controller.rpc import SOCKET_NAME, DaemonUnreachable, call
 from slurmft.db import Database
 from slurmft.db.models import Action, Attempt, Event, EventKind, Run
 from slurmft.db.states import RunState
@@ -56,13 +56,15 @@ class DaemonProcess:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "slurmft", "daemon"], env=self.env, stdout=out, stderr=out
             )
-        socket_path = Path(self.env["SLURMFT_PATHS_RUNTIME_DIR"]) / SOCKET_NAME
-        wait_for(
-            "the daemon's socket",
-            lambda: self._alive() and socket_path.exists(),
-            bool,
-            timeout_s=30,
-        )
+        wait_for("the daemon to answer on its socket", self._answers, bool, timeout_s=30)
+
+    def _answers(self) -> bool:
+        self._alive()
+        try:
+            call(Path(self.env["SLURMFT_PATHS_RUNTIME_DIR"]) / SOCKET_NAME, "runs")
+        except DaemonUnreachable:
+            return False  # not up yet, or a stale socket left by a killed daemon
+        return True
 
     def _alive(self) -> bool:
         assert self.proc is not None
