@@ -215,13 +215,16 @@ class CheckpointManager:
             [path.name for _, path in published_checkpoints(self.root)] if self.rank == 0 else []
         )
         names = _broadcast(names)
-        problems_seen = []
+        problems_seen: list[str] = []
+        invalid: list[Path] = []
         for name in names:
             path = self.root / name
             manifest, problems = self._verify_own_part(path)
             everyone = [p for per_rank in _all_gather(problems) for p in per_rank]
             if not everyone and manifest is not None:
+                self._set_aside(invalid)
                 return VerifiedCheckpoint(manifest["step"], path, manifest, tuple(problems_seen))
+            invalid.append(path)
             problems_seen.append(f"{name}: {'; '.join(everyone[:3])}")
             self._report("checkpoint_invalid", path=str(path), problems=everyone[:10])
         if names:
@@ -230,6 +233,17 @@ class CheckpointManager:
                 f"refusing to start from scratch over them. Move the directory away to start fresh."
             )
         return None
+
+    def _set_aside(self, invalid: list[Path]) -> None:
+        """Rename checkpoints newer than the one resumed from that failed verification, so they
+        are kept for inspection but never tried again nor counted by retention. Rank 0 only;
+        every rank has finished verifying them."""
+        if self.rank != 0:
+            return
+        for path in invalid:
+            target = path.with_name(f"invalid-{path.name}")
+            shutil.rmtree(target, ignore_errors=True)
+            path.rename(target)
 
     def _verify_own_part(self, path: Path) -> tuple[dict[str, Any] | None, list[str]]:
         try:

@@ -50,6 +50,7 @@ def test_save_publish_retention_and_fallback(world_of_one: None, tmp_path: Path)
     found = manager.latest_verified()
     assert found is not None and found.step == 2
     assert found.skipped == ("step-000000003: rank 0: __0_0.distcp: checksum mismatch",)
+    assert (tmp_path / "ckpt" / "invalid-step-000000003").is_dir()
     loaded = state(0.0)
     rng = manager.load(found, loaded)
     assert float(loaded["model"]["w"][0, 0]) == 2.0

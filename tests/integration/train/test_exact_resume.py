@@ -75,6 +75,7 @@ def test_a_corrupted_newest_checkpoint_falls_back_to_the_one_before(
     (resumed,) = run.events("resumed")
     assert resumed["step"] == 15
     assert "step-000000020: rank 1: __1_0.distcp: checksum mismatch" in resumed["skipped"]
+    assert (ckpt / "invalid-step-000000020").is_dir()  # set aside, not deleted
     assert sorted(run.steps()) == list(range(16, 21))
     assert_same_steps(run, baseline_run, range(16, 21))
     assert_same_weights(run, baseline_run)

@@ -20,8 +20,8 @@ from tiny_runs import RUN_TIMEOUT_S, AgentSocket, TinyRun, torchrun_command, tor
 
 pytestmark = pytest.mark.torch
 
-STEPS = 60
-SLOW_FROM_STEP = 25
+STEPS = 45
+SLOW_FROM_STEP = 20
 WINDOW = 10
 STEP_DEADLINE_S = 1.0
 SLOW_SAVE_S = 2.5
@@ -46,7 +46,7 @@ def telemetry_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[TinyRun, Ag
     request_file = workdir / "save-request"
     args = [
         "--ckpt-dir", str(workdir / "ckpt"), "--out-dir", str(workdir / "out"),
-        "--steps", str(STEPS), "--ckpt-every", "1000", "--work-ms", "40",
+        "--steps", str(STEPS), "--ckpt-every", "1000", "--work-ms", "80",
         "--slow-rank", "2", "--slow-factor", "0.3", "--slow-from-step", str(SLOW_FROM_STEP),
         "--straggler-window", str(WINDOW), "--step-deadline-s", str(STEP_DEADLINE_S),
         "--slow-save-s", str(SLOW_SAVE_S), "--heartbeat-interval-s", str(HEARTBEAT_INTERVAL_S),
