@@ -39,9 +39,7 @@ T = TypeVar("T")
 
 
 def cluster(*args: str) -> str:
-    return subprocess.run(
-        [str(CLUSTER), *args], check=True, capture_output=True, text=True
-    ).stdout
+    return subprocess.run([str(CLUSTER), *args], check=True, capture_output=True, text=True).stdout
 
 
 def seconds_until(
@@ -130,8 +128,10 @@ def main() -> int:
     try:
         for index in range(args.rounds):
             rounds.append(measure_node_loss(client))
-            print(f"round {index + 1}: " + " ".join(f"{k}={v:.1f}" for k, v in rounds[-1].items()),
-                  file=sys.stderr)
+            print(
+                f"round {index + 1}: " + " ".join(f"{k}={v:.1f}" for k, v in rounds[-1].items()),
+                file=sys.stderr,
+            )
     finally:
         if not args.keep:
             cluster("down")

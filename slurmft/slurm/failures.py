@@ -64,8 +64,9 @@ def classify_failure(result: CommandResult) -> SlurmError:
         (_BAD_REQUEST, SlurmBadRequest),
     ):
         if any(pattern in lowered for pattern in patterns):
-            return error_type(_message(command, error_type, first_line), argv=result.argv,
-                              stderr=result.stderr)
+            return error_type(
+                _message(command, error_type, first_line), argv=result.argv, stderr=result.stderr
+            )
     return SlurmError(f"{command} failed: {first_line}", argv=result.argv, stderr=result.stderr)
 
 

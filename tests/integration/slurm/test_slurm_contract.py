@@ -23,6 +23,7 @@ from slurmft.slurm.states import JobState
 
 pytestmark = pytest.mark.slurm
 
+
 # Every task records the node it ran on, then stays up until cancelled.
 def report_node_then_sleep(directory: Path) -> list[str]:
     return ["bash", "-c", f'touch "{directory}/ran-on-$SLURMD_NODENAME"; exec sleep 600']
@@ -59,7 +60,7 @@ def test_three_node_job_runs_on_the_nodes_slurm_reports(cluster: Cluster) -> Non
 
 
 def test_drain_with_a_reason_reads_back_exactly(cluster: Cluster) -> None:
-    reason = "slurmft: xid 79 on GPU 3 (run \"it's\"; $(id) | `x` Foo=bar)"
+    reason = 'slurmft: xid 79 on GPU 3 (run "it\'s"; $(id) | `x` Foo=bar)'
     cluster.drain("n4", reason)
     listed = cluster.client.nodes(["n4"])["n4"]
     detail = cluster.client.node("n4")
@@ -143,7 +144,7 @@ HOSTILE = [
 def test_hostile_names_and_arguments_stay_inert(cluster: Cluster, tmp_path: Path) -> None:
     canary = tmp_path / "canary"
     args = [arg.format(canary=canary) for arg in HOSTILE]
-    run_name = f"run \"$(touch {canary})\"; `id`\nnext line"
+    run_name = f'run "$(touch {canary})"; `id`\nnext line'
     out = tmp_path / "args.json"
     dump_args = "import json, sys; print(json.dumps(sys.argv[1:]))"
     job_id = cluster.submit(
@@ -210,7 +211,7 @@ def test_signal_reaches_steps_or_batch_shell(cluster: Cluster) -> None:
     d = cluster.tmp_path
     batch_shell = (
         f"trap 'touch {d}/batch-usr1' USR1\n"
-        f"srun -N1 -n1 bash -c 'trap \"touch {d}/step-usr1\" USR1; touch {d}/step-ready;"
+        f'srun -N1 -n1 bash -c \'trap "touch {d}/step-usr1" USR1; touch {d}/step-ready;'
         " while true; do sleep 0.1; done' &\n"
         "while true; do sleep 0.1; done\n"
     )

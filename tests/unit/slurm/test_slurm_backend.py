@@ -101,7 +101,7 @@ def test_node_and_job_actions(replay: Replay) -> None:
         "drain_idle", "drain_unknown_node", "requeue", "update_exclude_pending",
         "update_exclude_running", "cancel",
     )  # fmt: skip
-    client.drain("n6", "it's \"bad\" $(touch /tmp/x); a|b rm -rf / Foo=bar `id`")
+    client.drain("n6", 'it\'s "bad" $(touch /tmp/x); a|b rm -rf / Foo=bar `id`')
     with pytest.raises(SlurmBadRequest):
         client.drain("nosuchnode", "x")
     client.requeue(job_id_of(load_recording("requeue")))

@@ -123,7 +123,7 @@ def test_query_argv() -> None:
 
 
 def test_node_actions_argv() -> None:
-    reason = "xid 79 on GPU 3 (run \"a\"; $(id))"
+    reason = 'xid 79 on GPU 3 (run "a"; $(id))'
     assert commands.drain_argv("n2", reason) == [
         "scontrol", "update", "NodeName=n2", "State=DRAIN", f"Reason={reason}",
     ]  # fmt: skip

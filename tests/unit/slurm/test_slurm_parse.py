@@ -24,7 +24,7 @@ from slurmft.slurm.version import SlurmVersion, parse_version
 
 Recorded = Callable[[str], CommandResult]
 # What tests/fixtures/slurm/record.py drains n6 with.
-HOSTILE_REASON = "it's \"bad\" $(touch /tmp/x); a|b rm -rf / Foo=bar `id`"
+HOSTILE_REASON = 'it\'s "bad" $(touch /tmp/x); a|b rm -rf / Foo=bar `id`'
 
 
 def test_sbatch_parsable(recorded: Recorded) -> None:
@@ -54,7 +54,10 @@ def test_squeue_many_jobs_in_one_call(recorded: Recorded) -> None:
     assert run_id_from_comment(running.comment) == "run-0001"
     held = by_name["held"]
     assert (held.state, held.reason, held.nodes, held.batch_host) == (
-        JobState.PENDING, "JobHeldUser", (), "",
+        JobState.PENDING,
+        "JobHeldUser",
+        (),
+        "",
     )
     assert by_name["done"].state is JobState.COMPLETED
     assert "999999" not in jobs
