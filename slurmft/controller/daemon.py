@@ -88,6 +88,7 @@ class Daemon:
                     self.slurm,
                     now=self.clock(),
                     max_restarts=self.config["policy.max_restarts_without_progress"],
+                    lemon_min_runs=self.config["trust.lemon_min_runs"],
                 )
         except DatabaseUnavailable as exc:
             log.warning("control pass skipped: %s", exc)

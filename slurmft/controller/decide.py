@@ -14,6 +14,7 @@ only after repeated windows, lemons only across different runs) and the drain ra
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from slurmft.config import Config
 from slurmft.controller.budget import Restart
@@ -24,8 +25,6 @@ from slurmft.controller.views import (
     DrainNode,
     ExcludeNode,
     FinishRun,
-    GpuFault,
-    GpuFaultAction,
     JobEnd,
     JobPhase,
     JobView,
@@ -39,13 +38,13 @@ from slurmft.controller.views import (
 )
 from slurmft.db.models import EventKind, FaultClass, NodeRole
 from slurmft.db.states import RunState
+from slurmft.gpu.api import FaultAction
 
 
 @dataclass(frozen=True)
 class TrustPolicy:
     drain_gpu_faults: bool = True
     straggler_drain_after_windows: int = 3
-    lemon_min_runs: int = 2  # restart-class Xids on a node in this many different runs
     drains_per_hour: int = 4
     max_drained_fraction: float = 0.1  # of the partition; at least one drain is always allowed
 
@@ -67,7 +66,6 @@ class Policy:
             trust=TrustPolicy(
                 drain_gpu_faults=config["trust.drain_gpu_faults"],
                 straggler_drain_after_windows=config["trust.straggler_drain_after_windows"],
-                lemon_min_runs=config["trust.lemon_min_runs"],
                 drains_per_hour=config["trust.drains_per_hour"],
                 max_drained_fraction=config["trust.max_drained_fraction"],
             ),
@@ -85,14 +83,20 @@ class _DrainGate:
         )
         self._drained: set[str] = set()
 
-    def drain(self, node: str, run_id: str, reason: str) -> list[Action]:
+    def drain(
+        self, node: str, run_id: str, reason: str, evidence: dict[str, Any] | None = None
+    ) -> list[Action]:
         if node in self._drained:
             return []
         if self._left <= 0:
-            return [NotifyHuman(run_id, f"drain of {node} refused by the rate limits: {reason}")]
+            return [
+                NotifyHuman(
+                    run_id, f"drain of {node} refused by the rate limits: {reason}", evidence or {}
+                )
+            ]
         self._left -= 1
         self._drained.add(node)
-        return [DrainNode(run_id, reason, node=node)]
+        return [DrainNode(run_id, reason, evidence or {}, node=node)]
 
 
 def decide(view: ClusterView, policy: Policy) -> list[Action]:
@@ -242,40 +246,37 @@ def _gpu_faults(
     actions: list[Action] = []
     removed: set[str] = set()
     for fault in run.gpu_faults:
+        if fault.key in run.reported:
+            continue
         reason = f"slurmft: {fault.description}"
-        actions += _event(
-            run,
-            fault.key,
-            reason=reason,
-            kind=EventKind.GPU_FAULT,
-            fault_class=FaultClass.HARDWARE,
-            node=fault.node,
-            evidence={"xid": fault.xid, "gpu": fault.gpu},
-        )
+        evidence = {"key": fault.key, "xid": fault.xid, "gpu": fault.gpu}
+        if fault.event_id is None:  # an agent's report is an event already
+            actions += _event(
+                run,
+                fault.key,
+                reason=reason,
+                kind=EventKind.GPU_FAULT,
+                fault_class=FaultClass.HARDWARE,
+                node=fault.node,
+                evidence=evidence,
+            )
         if fault.node in run.excluded or fault.node in removed:
             continue
-        lemon = _is_lemon(fault, run, view, policy.trust)
-        if fault.action is not GpuFaultAction.DRAIN and not lemon:
+        # Restart-class Xids are usually the application's own bug: the node leaves only when
+        # it is a lemon (such Xids on it across different runs).
+        lemon = fault.action is FaultAction.RESTART_APP and fault.node in view.lemons
+        if fault.action is not FaultAction.DRAIN and not lemon:
             continue  # torchrun restarts the workers in place; the node stays
         if lemon:
             reason = (
                 f"slurmft: lemon {fault.node}: restart-class Xids in several runs "
                 f"({fault.description})"
             )
-        actions.append(ExcludeNode(run.run_id, reason, node=fault.node))
+        actions.append(ExcludeNode(run.run_id, reason, evidence, node=fault.node))
         removed.add(fault.node)
         if lemon or policy.trust.drain_gpu_faults:
-            actions += gate.drain(fault.node, run.run_id, reason)
+            actions += gate.drain(fault.node, run.run_id, reason, evidence)
     return actions, removed
-
-
-def _is_lemon(fault: GpuFault, run: RunView, view: ClusterView, trust: TrustPolicy) -> bool:
-    """Restart-class Xids are usually the application's own bug: a node is a lemon only when
-    they repeat on it across different runs, never from one run alone."""
-    if fault.action is not GpuFaultAction.RESTART:
-        return False
-    runs = {r for node, r in view.restart_xid_history if node == fault.node} | {run.run_id}
-    return len(runs) >= trust.lemon_min_runs
 
 
 def _hangs(run: RunView, view: ClusterView, policy: Policy, removed: set[str]) -> list[Action]:

@@ -17,6 +17,7 @@ from slurmft.controller.budget import RestartBudget
 from slurmft.controller.detect import RankBeat, RankCompute
 from slurmft.controller.views import (
     ClusterView,
+    GpuFault,
     JobEnd,
     JobPhase,
     JobView,
@@ -38,6 +39,8 @@ from slurmft.db.models import (
 )
 from slurmft.db.records import denied_nodes
 from slurmft.db.states import RunState
+from slurmft.gpu.api import FaultAction
+from slurmft.gpu.lemons import XidOccurrence, judge_lemons
 from slurmft.slurm.api import (
     JobInfo,
     NodeInfo,
@@ -144,6 +147,7 @@ def rank_compute(
 
 # --- gathering: the only I/O of observe -------------------------------------------------------
 
+LEMON_WINDOW = timedelta(days=14)
 LIVE_RUN_STATES = (RunState.PENDING, RunState.RUNNING, RunState.RECOVERING)
 FINDING_KINDS = (
     EventKind.NODE_LOST,
@@ -163,6 +167,7 @@ def gather(
     *,
     now: datetime,
     max_restarts: int,
+    lemon_min_runs: int = 2,
     bucket: timedelta = timedelta(minutes=1),
     buckets: int = 5,
 ) -> ClusterView:
@@ -205,6 +210,7 @@ def gather(
             if n.status.drain_requested and n.reason.startswith(OWN_DRAIN_PREFIX)
         ),
         straggler_windows=_straggler_windows(session),
+        lemons=lemon_nodes(session, now=now, min_runs=lemon_min_runs),
     )
 
 
@@ -253,6 +259,7 @@ def _run_view(
             bucket=bucket,
             buckets=buckets,
         ),
+        gpu_faults=_gpu_faults(session, run.id, since),
         excluded=denied_nodes(session, run_id=run.id, now=now),
         budget=RestartBudget(
             max_without_progress=max_restarts, charged_in_a_row=run.restarts_without_progress
@@ -317,12 +324,68 @@ def _step_samples(session: Session, run_id: str, since: datetime) -> list[StepSa
 
 
 def _reported_keys(session: Session, run_id: str, since: datetime) -> frozenset[str]:
+    """Findings already recorded (events) or acted on (actions) for this attempt."""
     details = session.scalars(
         select(Event.details).where(
             Event.run_id == run_id, Event.kind.in_(FINDING_KINDS), Event.recorded_at >= since
         )
+    ).all()
+    evidence = session.scalars(
+        select(Action.evidence).where(Action.run_id == run_id, Action.created_at >= since)
+    ).all()
+    return frozenset(
+        d["key"] for d in [*details, *evidence] if isinstance(d, dict) and d.get("key")
     )
-    return frozenset(d["key"] for d in details if isinstance(d, dict) and d.get("key"))
+
+
+def _gpu_faults(session: Session, run_id: str, since: datetime) -> tuple[GpuFault, ...]:
+    """GPU faults the run's agents reported (each already an event row)."""
+    events = session.scalars(
+        select(Event)
+        .where(
+            Event.run_id == run_id,
+            Event.kind == EventKind.GPU_FAULT,
+            Event.source == "agent",
+            Event.recorded_at >= since,
+        )
+        .order_by(Event.id)
+    ).all()
+    return tuple(
+        GpuFault(
+            event.node,
+            _fault_action(event.details),
+            event.message,
+            xid=event.xid,
+            gpu=event.gpu_index,
+            event_id=event.id,
+        )
+        for event in events
+        if event.node
+    )
+
+
+def _fault_action(details: dict[str, object]) -> FaultAction:
+    """The agent's classification; an unknown or missing one is a restart, never a crash."""
+    try:
+        return FaultAction(str(details.get("action")))
+    except ValueError:
+        return FaultAction.RESTART_APP
+
+
+def lemon_nodes(session: Session, *, now: datetime, min_runs: int) -> frozenset[str]:
+    """Nodes whose restart-class Xids repeat across different runs (slurmft.gpu.lemons)."""
+    rows = session.execute(
+        select(Event.node, Event.run_id, Event.xid, Event.occurred_at).where(
+            Event.kind == EventKind.GPU_FAULT,
+            Event.xid.is_not(None),
+            Event.node.is_not(None),
+            Event.run_id.is_not(None),
+            Event.occurred_at >= now - LEMON_WINDOW,
+        )
+    ).all()
+    history = [XidOccurrence(node, run_id, xid, at) for node, run_id, xid, at in rows]
+    verdicts = judge_lemons(history, now=now, min_runs=min_runs, window=LEMON_WINDOW)
+    return frozenset(node for node, verdict in verdicts.items() if verdict.is_lemon)
 
 
 def _drains_since(session: Session, since: datetime) -> int:

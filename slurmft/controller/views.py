@@ -16,6 +16,7 @@ from slurmft.controller.budget import RestartBudget
 from slurmft.controller.detect import RankBeat, RankCompute
 from slurmft.db.models import EventKind, FaultClass, NodeRole
 from slurmft.db.states import RunState
+from slurmft.gpu.api import FaultAction
 
 # --- observations ---------------------------------------------------------------------------
 
@@ -24,14 +25,6 @@ class NodeCondition(StrEnum):
     OK = "ok"
     LOST = "lost"  # DOWN, NOT_RESPONDING, or gone from the job
     DRAINED_BY_OTHERS = "drained_by_others"  # someone else's drain: never undone by slurmft
-
-
-class GpuFaultAction(StrEnum):
-    """What the GPU classification table says a fault calls for."""
-
-    DRAIN = "drain"  # reset GPU, reboot, ECC or NVLink workflows: the node leaves the run
-    RESTART = "restart"  # restart the application; the node stays (unless it is a lemon)
-    RECORD = "record"
 
 
 class JobPhase(StrEnum):
@@ -60,13 +53,16 @@ class NodeView:
 @dataclass(frozen=True)
 class GpuFault:
     node: str
-    action: GpuFaultAction
+    action: FaultAction  # from the GPU classification table (slurmft.gpu.xids)
     description: str  # e.g. "Xid 79 GPU fell off the bus (GPU 3)"
     xid: int | None = None
     gpu: int | None = None
+    event_id: int | None = None  # the agent's report, already an event row in the store
 
     @property
     def key(self) -> str:
+        if self.event_id is not None:
+            return f"gpu:{self.event_id}"
         return f"gpu:{self.node}:{self.gpu}:{self.xid}:{self.description}"
 
 
@@ -104,8 +100,9 @@ class ClusterView:
     drains_last_hour: int = 0
     partition_nodes: int = 0
     drained_nodes: int = 0
-    # (node, run_id) pairs that saw restart-class Xids before: lemons repeat across runs.
-    restart_xid_history: frozenset[tuple[str, str]] = frozenset()
+    # Nodes judged lemons from their restart-class Xids across different runs
+    # (slurmft.gpu.lemons.judge_lemons, which includes this tick's faults).
+    lemons: frozenset[str] = frozenset()
     # Straggler windows flagged per node so far (this tick's not included).
     straggler_windows: dict[str, int] = field(default_factory=dict)
 

@@ -17,7 +17,6 @@ from slurmft.controller.views import (
     ExcludeNode,
     FinishRun,
     GpuFault,
-    GpuFaultAction,
     JobEnd,
     JobPhase,
     JobView,
@@ -32,6 +31,7 @@ from slurmft.controller.views import (
 )
 from slurmft.db.models import EventKind, FaultClass, NodeRole
 from slurmft.db.states import RunState
+from slurmft.gpu.api import FaultAction
 
 NOW = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
 POLICY = Policy(straggler_window_buckets=3)
@@ -103,8 +103,8 @@ def _compute(slow_rank: int | None, factor: float = 1.3) -> tuple[RankCompute, .
     )
 
 
-XID79 = GpuFault("n2", GpuFaultAction.DRAIN, "Xid 79 GPU has fallen off the bus (GPU 3)", 79, 3)
-XID13 = GpuFault("n2", GpuFaultAction.RESTART, "Xid 13 graphics engine exception (GPU 0)", 13, 0)
+XID79 = GpuFault("n2", FaultAction.DRAIN, "Xid 79 GPU has fallen off the bus (GPU 3)", 79, 3)
+XID13 = GpuFault("n2", FaultAction.RESTART_APP, "Xid 13 graphics engine exception (GPU 0)", 13, 0)
 
 CASES = [
     ("healthy run: nothing to do", _view(_run(beats=_beats(), compute=_compute(None))), []),
@@ -155,13 +155,13 @@ CASES = [
         [("RecordEvent", "gpu_fault@n2")],
     ),
     (
-        "Xid 13 on a node that had them in another run: a lemon",
-        _view(_run(gpu_faults=(XID13,)), restart_xid_history=frozenset({("n2", "r0")})),
+        "Xid 13 on a node judged a lemon (across runs): excluded and drained",
+        _view(_run(gpu_faults=(XID13,)), lemons=frozenset({"n2"})),
         [("RecordEvent", "gpu_fault@n2"), ("ExcludeNode", "n2"), ("DrainNode", "n2")],
     ),
     (
-        "Xid 13 twice in the same run is not a lemon",
-        _view(_run(gpu_faults=(XID13,)), restart_xid_history=frozenset({("n2", "r1")})),
+        "Xid 13 while another node is the lemon: this node stays",
+        _view(_run(gpu_faults=(XID13,)), lemons=frozenset({"n5"})),
         [("RecordEvent", "gpu_fault@n2")],
     ),
     (
@@ -332,9 +332,23 @@ def test_policy_comes_from_the_config() -> None:
 
     from slurmft.config import load_config
 
-    config = load_config(environ={}, system_file=Path("/nonexistent"),
-                         overrides=["trust.drains_per_hour=1", "policy.straggler_window_s=180",
-                                    "trust.drain_gpu_faults=false"])
+    config = load_config(
+        environ={},
+        system_file=Path("/nonexistent"),
+        overrides=[
+            "trust.drains_per_hour=1",
+            "policy.straggler_window_s=180",
+            "trust.drain_gpu_faults=false",
+        ],
+    )
     policy = Policy.from_config(config)
     assert policy.straggler_window_buckets == 3
     assert policy.trust == TrustPolicy(drain_gpu_faults=False, drains_per_hour=1)
+
+
+def test_an_agent_reported_fault_is_acted_on_once_and_not_recorded_again() -> None:
+    reported = replace(XID79, event_id=42)
+    actions = decide(_view(_run(gpu_faults=(reported,))), POLICY)
+    assert _summary(actions) == [("ExcludeNode", "n2"), ("DrainNode", "n2")]
+    assert all(a.evidence["key"] == "gpu:42" for a in actions)
+    assert decide(_view(_run(gpu_faults=(reported,), reported=frozenset({"gpu:42"}))), POLICY) == []

@@ -1,0 +1,112 @@
+"""Gathering the cluster view from a real store and replayed real Slurm output."""
+
+from __future__ import annotations
+
+import sys
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit" / "slurm"))
+
+from slurm_recordings import ReplayRunner
+
+from slurmft.controller.decide import Policy, decide
+from slurmft.controller.observe import gather
+from slurmft.controller.views import ExcludeNode, JobPhase, NotifyHuman
+from slurmft.db import Database
+from slurmft.db.models import Attempt, Event, EventKind, FaultClass, Run
+from slurmft.db.states import RunState
+from slurmft.gpu.api import FaultAction
+from slurmft.slurm.cli_backend import CliSlurmClient
+
+NOW = datetime.now(UTC)
+
+
+def _seed(database: Database) -> None:
+    with database.session() as s:
+        run = Run(
+            id="r14",
+            name="r14",
+            owner_uid=0,
+            owner_name="root",
+            nodes=2,
+            spares=1,
+            command=["train.py"],
+        )
+        s.add(run)
+        s.flush()
+        run.state = RunState.RUNNING
+        s.add(
+            Attempt(
+                run_id="r14", number=1, slurm_job_id="14", submitted_at=NOW - timedelta(minutes=10)
+            )
+        )
+        # What the ingest endpoint wrote for an agent's report of an Xid 79 on n4.
+        s.add(
+            Event(
+                run_id="r14",
+                kind=EventKind.GPU_FAULT,
+                node="n4",
+                xid=79,
+                gpu_index=3,
+                fault_class=FaultClass.HARDWARE,
+                source="agent",
+                message="Xid 79 GPU has fallen off the bus (GPU 3)",
+                details={"action": FaultAction.DRAIN.value},
+            )
+        )
+        # Restart-class Xids on n5 in two different earlier runs: a lemon.
+        for other in ("old1", "old2"):
+            s.add(
+                Run(
+                    id=other,
+                    name=other,
+                    owner_uid=0,
+                    owner_name="root",
+                    nodes=1,
+                    command=["x"],
+                    state=RunState.PENDING,
+                )
+            )
+            s.flush()
+            s.add(
+                Event(
+                    run_id=other,
+                    kind=EventKind.GPU_FAULT,
+                    node="n5",
+                    xid=13,
+                    source="agent",
+                    occurred_at=NOW - timedelta(days=1),
+                )
+            )
+
+
+def test_gather_builds_the_view_and_the_drain_cap_holds(database: Database) -> None:
+    _seed(database)
+    runner = ReplayRunner(["squeue_requeued", "sinfo_nodes_drained"])
+    with database.session() as s:
+        view = gather(s, CliSlurmClient(runner), now=NOW, max_restarts=5)
+    assert runner.exhausted
+    assert view.slurm_reachable and view.partition_nodes == 6
+    assert view.lemons == {"n5"}
+    run = next(r for r in view.runs if r.run_id == "r14")
+    assert run.job is not None and run.job.phase is JobPhase.RUNNING
+    (fault,) = run.gpu_faults
+    assert (fault.node, fault.action, fault.xid, fault.gpu) == ("n4", FaultAction.DRAIN, 79, 3)
+    assert view.drained_nodes == 1  # n3 is draining with a slurmft reason in the recording
+    actions = [a for a in decide(view, Policy()) if a.run_id == "r14"]
+    # A second slurmft drain would pass 10% of a 6-node partition: refused, a human is told.
+    assert [(type(a), getattr(a, "node", None)) for a in actions] == [
+        (ExcludeNode, "n4"),
+        (NotifyHuman, None),
+    ]
+    assert "refused by the rate limits" in actions[1].reason
+
+
+def test_slurm_unreachable_means_no_view(database: Database) -> None:
+    _seed(database)
+    runner = ReplayRunner(["squeue_unreachable"])
+    with database.session() as s:
+        # The run's attempt asks for job 14, exactly what the recording asked for.
+        view = gather(s, CliSlurmClient(runner), now=NOW, max_restarts=5)
+    assert not view.slurm_reachable and view.runs == ()
