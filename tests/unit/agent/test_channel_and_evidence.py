@@ -1,0 +1,77 @@
+"""The agent's end of the rank channel, and stack dumps of a stuck process."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from slurmft.agent.channel import RankChannelServer
+from slurmft.agent.evidence import dump_stacks
+from slurmft.protocol import AgentEvent, RankHeartbeat, RankStepTime
+from slurmft.train.report import ReportChannel
+
+IDENTITY = {"rank": 4, "local_rank": 1, "world_size": 8, "run_id": "r", "restart_count": 2,
+            "pid": 777, "host": "n1"}
+
+
+def test_rank_messages_become_wire_records() -> None:
+    path = str(Path(tempfile.mkdtemp(prefix="ch-")) / "ranks.sock")
+    server = RankChannelServer(path)
+    try:
+        channel = ReportChannel(path, IDENTITY)
+        channel.send("heartbeat", phase="step", step=9, progress_age_s=0.5, deadline_s=300.0,
+                     overdue=False)
+        channel.send("step", step=9, compute_s=0.2, wait_s=0.01, total_s=0.21)
+        channel.send("event", event="collective_error", error="Connection reset by peer")
+        channel.send("straggler", step=9, straggler_rank=6, group="all", ratio=1.5, window=10)
+        channel.send("event", event="something_new")
+        server._sock.sendto(b"not json", path)
+        got = server.drain()
+    finally:
+        server.close()
+    records = [record for _, record in got]
+    heartbeat, step, failure, straggler, unknown = records
+    assert isinstance(heartbeat, RankHeartbeat)
+    assert (heartbeat.rank, heartbeat.local_rank, heartbeat.step, heartbeat.pid) == (4, 1, 9, 777)
+    assert heartbeat.restart_count == 2 and not heartbeat.overdue
+    assert isinstance(step, RankStepTime) and (step.step, step.compute_s) == (9, 0.2)
+    assert isinstance(failure, AgentEvent) and failure.kind == "rank_failure"
+    assert failure.details["error"] == "Connection reset by peer"
+    assert isinstance(straggler, AgentEvent) and straggler.kind == "straggler"
+    assert straggler.rank == 6 and straggler.fault_class == "straggler"
+    assert unknown is None and server.counters.ignored == {"something_new": 1}
+    assert server.counters.malformed == 1
+
+
+STUCK = """
+import faulthandler, signal, sys, time
+from pathlib import Path
+stream = open(sys.argv[1], "a", buffering=1)
+faulthandler.register(signal.SIGUSR2, file=stream, all_threads=True)
+print("ready", flush=True)
+def stuck_in_a_collective():
+    time.sleep(60)
+stuck_in_a_collective()
+"""
+
+
+def test_stacks_of_a_stuck_process_are_collected(tmp_path: Path) -> None:
+    path = tmp_path / "stacks-rank3-pid{}.txt"
+    # The file name carries the pid: the child opens a file, which is renamed once its pid is known.
+    child = subprocess.Popen([sys.executable, "-c", STUCK, str(tmp_path / "pending")],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "ready"
+        (tmp_path / "pending").rename(Path(str(path).format(child.pid)))
+        # The child keeps writing to its open descriptor: the renamed file is its stack file.
+        started = time.monotonic()
+        (dump,) = dump_stacks({3: child.pid}, tmp_path, wait_s=5)
+        assert time.monotonic() - started < 5
+        assert dump.rank == 3 and dump.pid == child.pid
+        assert "stuck_in_a_collective" in dump.text
+    finally:
+        child.kill()
+        child.wait()
