@@ -51,8 +51,8 @@ import faulthandler, signal, sys, time
 from pathlib import Path
 stream = open(sys.argv[1], "a", buffering=1)
 faulthandler.register(signal.SIGUSR2, file=stream, all_threads=True)
-print("ready", flush=True)
 def stuck_in_a_collective():
+    print("ready", flush=True)
     time.sleep(60)
 stuck_in_a_collective()
 """
