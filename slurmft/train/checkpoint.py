@@ -54,7 +54,7 @@ class CheckpointDirNotShared(SlurmftError):
 
 
 class CheckpointSaveFailed(SlurmftError):
-    """Rank 0 could not publish the checkpoint."""
+    """Rank 0 could not prepare the checkpoint directory or publish a checkpoint."""
 
 
 @dataclass(frozen=True)
@@ -77,6 +77,21 @@ def _broadcast(value: Any) -> Any:
     box = [value]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def _on_rank0_for_all(action: Callable[[], Any], what: str) -> Any:
+    """Run `action` on rank 0 only; every rank gets its result, or raises if it failed (instead
+    of waiting in the next collective for a rank 0 that has gone)."""
+    result: tuple[Any, str | None] = (None, None)
+    if dist.get_rank() == 0:
+        try:
+            result = (action(), None)
+        except Exception as error:
+            result = (None, repr(error))
+    value, error = _broadcast(result)
+    if error is not None:
+        raise CheckpointSaveFailed(f"{what} failed on rank 0: {error}")
+    return value
 
 
 def _all_gather(value: Any) -> list[Any]:
@@ -117,14 +132,16 @@ class CheckpointManager:
         Also removes staging directories of saves that never completed; returns their names
         (on rank 0) so the script can log them.
         """
-        removed: list[str] = []
         nonce = _broadcast(secrets.token_hex(16))  # rank 0's nonce, known to every rank
         marker = self.root / f".slurmft-shared-check-{nonce}"
-        if self.rank == 0:
+
+        def prepare() -> list[str]:
             self.root.mkdir(parents=True, exist_ok=True)
             removed = self._remove_stale_staging()
             write_json_durably(marker, {"nonce": nonce, "host": socket.gethostname()})
-        dist.barrier()
+            return removed
+
+        removed = _on_rank0_for_all(prepare, f"preparing the checkpoint directory {self.root}")
         seen = self._wait_for_marker(marker, nonce, settle_s)
         results = _all_gather((seen, socket.gethostname(), str(self.root.resolve())))
         if self.rank == 0:
@@ -138,7 +155,7 @@ class CheckpointManager:
                 f"directory on a shared file system that shows the same files on every node; a "
                 f"node-local path would make a restart on another node lose the checkpoints."
             )
-        return removed
+        return removed or []
 
     def _wait_for_marker(self, marker: Path, nonce: str, settle_s: float) -> bool:
         # Shared file systems may show a new file on other nodes a moment later.
@@ -164,10 +181,12 @@ class CheckpointManager:
     def save(self, step: int, state: dict[str, Any], resume: dict[str, Any]) -> Path:
         """Collective. `state` is a DCP state dict; `resume` the JSON exact-resume state."""
         staging = self.root / staging_name(step)
-        if self.rank == 0:
+
+        def prepare() -> None:
             shutil.rmtree(staging, ignore_errors=True)
             (staging / "rng").mkdir(parents=True)
-        dist.barrier()
+
+        _on_rank0_for_all(prepare, f"creating {staging}")
         dcp.save(state, storage_writer=dcp.FileSystemWriter(staging, sync_files=True))
         write_json_durably(staging / rng_file_name(self.rank), capture_rng_state())
         digests = _all_gather(self._digest_own_files(staging))  # also the "all written" barrier

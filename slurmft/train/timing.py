@@ -108,7 +108,11 @@ class StepTimer:
         if previous is None:
             return None
         step, previous_total, events = previous
-        # Events of the previous step have long completed; elapsed_time does not stall the GPU.
+        # The previous step's events have almost always completed; synchronizing on its last event
+        # costs nothing then, and elapsed_time would raise on an event still pending.
+        for pairs in events.values():
+            if pairs:
+                pairs[-1][1].synchronize()
         spent = {
             kind: sum(start.elapsed_time(end) for start, end in pairs) / 1000.0
             for kind, pairs in events.items()

@@ -178,8 +178,9 @@ class TinyRun:
         self.rank, self.world = info.rank, info.world_size
         self.journal = Journal(Path(args.out_dir), self.rank)
         self.plan = make_plan(args, self.world)
-        self.x, self.y = synthetic_dataset(args.seed)
-        self.model = build_model(args.seed, args.dropout)
+        # Data and weights are made on the CPU (identical on every rank and backend), then moved.
+        self.x, self.y = (t.to(info.device) for t in synthetic_dataset(args.seed))
+        self.model = build_model(args.seed, args.dropout).to(info.device)
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=args.lr, momentum=0.9)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: lr_factor(s, args.warmup, args.steps)
@@ -309,6 +310,7 @@ class TinyRun:
             stats = torch.tensor(
                 [loss_sum, float(sum(seen)), float(sum(i * i for i in seen)), float(len(seen))],
                 dtype=torch.float64,
+                device=self.info.device,  # NCCL reduces device tensors only
             )
             dist.all_reduce(stats)  # the example's own check that no sample is replayed/skipped
         with self.timer.compute():
@@ -382,7 +384,8 @@ class TinyRun:
             elif self.step % self.args.ckpt_every == 0 or self.step == self.args.steps:
                 self.save("interval", heartbeat)
         if self.rank == 0:
-            torch.save(self.model.state_dict(), Path(self.args.out_dir) / "final_weights.pt")
+            weights = {name: t.cpu() for name, t in self.model.state_dict().items()}
+            torch.save(weights, Path(self.args.out_dir) / "final_weights.pt")
         self.journal.event("done", step=self.step)
 
 

@@ -97,3 +97,14 @@ def test_telemetry_rides_on_the_gradient_all_reduce(world_of_one: None) -> None:
     assert exchange.save_requested
     gathered = exchange_telemetry(0.25, False)
     assert (gathered.compute_s, gathered.save_requested) == ([0.25], False)
+
+
+def test_a_directory_rank_0_cannot_create_fails_every_rank_with_the_reason(
+    world_of_one: None, tmp_path: Path
+) -> None:
+    from slurmft.train import CheckpointManager, CheckpointSaveFailed
+
+    (tmp_path / "a-file").write_text("")
+    manager = CheckpointManager(tmp_path / "a-file" / "ckpt")
+    with pytest.raises(CheckpointSaveFailed, match="preparing the checkpoint directory"):
+        manager.check_shared_directory()
