@@ -57,7 +57,7 @@ def test_the_thread_sends_periodically_to_the_agent(tmp_path: Path) -> None:
     receiver.settimeout(2)
     heartbeat = Heartbeat(ReportChannel(path, {"rank": 1}), interval_s=0.05).start()
     try:
-        time.sleep(0.3)
+        time.sleep(0.5)
     finally:
         heartbeat.stop()
     messages = []
@@ -68,6 +68,6 @@ def test_the_thread_sends_periodically_to_the_agent(tmp_path: Path) -> None:
         except BlockingIOError:
             break
     receiver.close()
-    assert len(messages) >= 4
+    assert len(messages) >= 3  # about ten; few under heavy load
     assert {m["kind"] for m in messages} == {"heartbeat"}
     assert {m["phase"] for m in messages} == {"init"}
