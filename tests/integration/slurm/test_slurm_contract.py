@@ -7,6 +7,7 @@ MessageTimeout=2: a killed node is NOT_RESPONDING after ~5 s and DOWN after ~10 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 from pathlib import Path
 
@@ -222,3 +223,13 @@ def test_signal_reaches_steps_or_batch_shell(cluster: Cluster) -> None:
     assert not (d / "batch-usr1").exists()  # measured on 22.05: steps only
     cluster.client.signal(job_id, "USR1", SignalTarget.BATCH)
     wait_for("USR1 in the batch shell", (d / "batch-usr1").exists, lambda got: got, 10)
+
+
+def test_cluster_up_again_is_harmless(slurm_conf: Path) -> None:
+    root = slurm_conf.parents[1]
+    env = {**os.environ, "SLURMFT_CLUSTER_ROOT": str(root)}
+    pid_before = (root / "run" / "slurmctld.pid").read_text()
+    script = str(Path(__file__).resolve().parents[3] / "scripts" / "slurm-cluster")
+    again = subprocess.run([script, "up"], env=env, capture_output=True, text=True, check=True)
+    assert again.stdout.splitlines() == [f"export SLURM_CONF={slurm_conf}"]  # stdout: one line
+    assert (root / "run" / "slurmctld.pid").read_text() == pid_before  # nothing restarted
