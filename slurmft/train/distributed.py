@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from slurmft.train.report import ReportChannel
 
@@ -69,6 +70,11 @@ def init_distributed(timeout_s: float = 300.0, backend: str | None = None) -> Di
 def is_collective_error(error: BaseException) -> bool:
     if isinstance(error, dist.DistError):
         return True
+    if isinstance(error, CheckpointException):
+        # DCP gathers every rank's failure; one rank's broken collective fails the save on all.
+        # Each failure is wrapped as (exception, stack summary).
+        failures = [f[0] if isinstance(f, tuple) else f for f in error.failures.values()]
+        return any(isinstance(f, BaseException) and is_collective_error(f) for f in failures)
     if isinstance(error, RuntimeError):
         text = str(error).lower()
         return any(marker in text for marker in _COLLECTIVE_ERROR_MARKERS)
@@ -82,7 +88,7 @@ def exit_on_collective_error(
     """Run the training loop inside this: a collective error ends the process with `exit_code`."""
     try:
         yield
-    except Exception as error:
+    except (Exception, CheckpointException) as error:  # CheckpointException is a BaseException
         if not is_collective_error(error):
             raise
         traceback.print_exc()
