@@ -66,6 +66,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--ckpt-every", type=int, default=5)
     p.add_argument("--keep-last", type=int, default=3)
+    p.add_argument("--eval-every", type=int, default=0, help="steps between evaluations; 0: none")
     p.add_argument("--global-batch", type=int, default=12)
     p.add_argument("--max-micro-batch", type=int, default=4)
     p.add_argument("--no-accumulation", action="store_true", help="naive: micro batch fixed")
@@ -272,6 +273,14 @@ class TinyRun:
         self.save_request.clear()
         self.journal.event("saved", step=self.step, reason=reason, path=str(path))
 
+    def evaluate(self, heartbeat: Heartbeat) -> None:
+        """Loss on a fixed slice of the data; eval mode draws no random numbers (exact resume)."""
+        with heartbeat.phase(Phase.EVAL, self.step), torch.no_grad():
+            self.model.eval()
+            loss = ((self.model(self.x[:60]) - self.y[:60]) ** 2).mean().item()
+            self.model.train()
+        self.journal.event("eval", step=self.step, loss=loss)
+
     def _forward_backward(self) -> tuple[float, list[int]]:
         loss_sum, seen = 0.0, []
         for indices in self.sampler.rank_micro_batches(self.plan, self.rank):
@@ -375,6 +384,8 @@ class TinyRun:
             heartbeat.progress(self.step)
             if compute_times is not None:
                 self.observe_stragglers(compute_times)
+            if self.args.eval_every and self.step % self.args.eval_every == 0:
+                self.evaluate(heartbeat)
             if fault_due(self.args.crash_at_step, self.step, self.rank, self.args.fault_rank):
                 kill_self()
             if fault_due(self.args.hang_at_step, self.step, self.rank, self.args.fault_rank):

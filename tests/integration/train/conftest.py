@@ -20,8 +20,9 @@ from tiny_runs import TinyRun, run_tiny
 
 @pytest.fixture(scope="session")
 def baseline_run(tmp_path_factory: pytest.TempPathFactory) -> TinyRun:
-    """20 uninterrupted steps at world size 3, checkpoints every 5 steps (10, 15, 20 kept)."""
-    run = run_tiny(tmp_path_factory.mktemp("baseline"), "--steps", "20")
+    """20 uninterrupted steps at world size 3, checkpoints every 5 steps (10, 15, 20 kept),
+    an evaluation every 4 steps."""
+    run = run_tiny(tmp_path_factory.mktemp("baseline"), "--steps", "20", "--eval-every", "4")
     assert run.returncode == 0, run.output[-4000:]
     return run
 
@@ -34,6 +35,8 @@ def interrupted_run(tmp_path_factory: pytest.TempPathFactory) -> TinyRun:
         tmp_path_factory.mktemp("interrupted"),
         "--steps",
         "20",
+        "--eval-every",
+        "4",
         "--kill-during-save",
         "10@0",
         "--crash-at-step",

@@ -39,6 +39,9 @@ def test_a_killed_and_resumed_run_equals_the_uninterrupted_one(
 ) -> None:
     assert_same_steps(interrupted_run, baseline_run, range(1, 21))
     assert_same_weights(interrupted_run, baseline_run)
+    evals = {e["step"]: e["loss"] for e in baseline_run.events("eval")}
+    assert sorted(evals) == [4, 8, 12, 16, 20]
+    assert {e["step"]: e["loss"] for e in interrupted_run.events("eval")} == evals
     # Each step's samples appear once per attempt: resumed runs redo only the lost steps.
     attempts = [(r["attempt"], r["step"]) for r in interrupted_run.records()]
     assert attempts == (
