@@ -146,6 +146,12 @@ class AgentCluster:
     def wait_done(self, timeout_s: float) -> None:
         wait_for(lambda: self.events("done"), timeout_s, f"the run to finish\n{self.logs_tail()}")
 
+    def healthy_worker_stops(self) -> int:
+        """How often torchrun stopped live workers to re-rendezvous, over all agents (torch 2.13
+        logs one "closing signal" line per worker it stops). The restart loop does this every
+        round; a recovery from a dead peer does not (its workers have already exited)."""
+        return sum(a.log().count("closing signal") for a in self.agents)
+
     def logs_tail(self, chars: int = 3000) -> str:
         return "\n".join(f"--- agent {a.index}\n{a.log()[-chars:]}" for a in self.agents)
 

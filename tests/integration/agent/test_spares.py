@@ -96,10 +96,12 @@ def test_node_kill_spare_joins_and_training_matches(cluster: Any, reference: dic
 
 
 def assert_no_restart_loop(run: AgentCluster) -> None:
-    """A loop restarts the healthy agents over and over without a step; a recovery restarts
-    each survivor once or twice."""
-    restarts = max(r["attempt"] for r in run.records())
-    assert restarts <= 3, f"{restarts} restarts: restart loop\n{run.logs_tail()}"
+    """The loop stops and restarts healthy workers round after round (membership restarts do
+    not count in TORCHELASTIC_RESTART_COUNT, so the journal's attempt numbers cannot show it).
+    It may end by chance after a minute, so the test counts the stops, not just the outcome.
+    Measured: with the fix 0 stops (both tests); without it 72 (worker crash) and 3 (two spares)."""
+    stops = run.healthy_worker_stops()
+    assert stops <= 1, f"healthy workers stopped {stops} times: restart loop\n{run.logs_tail()}"
 
 
 def test_two_spares_node_kill_no_restart_loop(cluster: Any, reference: dict) -> None:
