@@ -24,6 +24,8 @@ from slurmft.errors import SlurmftError
 SYSTEM_CONFIG = Path("/etc/slurmft/slurmft.toml")
 ENV_CONFIG = "SLURMFT_CONFIG"
 ENV_PREFIX = "SLURMFT_"
+# Variables slurmft sets for its own processes; they share a prefix with settings but are none.
+PROCESS_VARIABLES = frozenset({ENV_CONFIG, "SLURMFT_AGENT_SOCKET"})
 
 # Filesystems on which SQLite's locking is unreliable: a database there corrupts silently.
 NETWORK_FILESYSTEMS = frozenset(
@@ -291,7 +293,8 @@ SETTINGS: tuple[Setting, ...] = (
         "Never drain past this fraction of the partition (at least one drain is allowed).",
         minimum=0.0,
         maximum=1.0,
-    ),    Setting(
+    ),
+    Setting(
         "gpu.poll_interval_s",
         float,
         5.0,
@@ -518,18 +521,7 @@ def load_config(
     if user_file is not None:
         layers.append((str(user_file), read_toml(user_file)))
     env_layer = {s.key: env[s.env_var] for s in SETTINGS if s.env_var in env}
-    unknown_env = [
-        name
-        for name in env
-        if name.startswith(ENV_PREFIX)
-        and name != ENV_CONFIG
-        and name not in {s.env_var for s in SETTINGS}
-        and not name.startswith("SLURMFT_TEST_")
-    ]
-    if unknown_env:
-        close = difflib.get_close_matches(unknown_env[0], [s.env_var for s in SETTINGS], n=1)
-        hint = f" Did you mean {close[0]}?" if close else ""
-        raise ConfigError(f"unknown environment variable {unknown_env[0]}.{hint}")
+    _refuse_misspelt_variables(env)
 
     values = {s.key: Value(s.default, "default") for s in SETTINGS}
     for where, layer in layers:
@@ -537,6 +529,19 @@ def load_config(
     _apply(values, env_layer, "environment", lambda key: f"env {SETTINGS_BY_KEY[key].env_var}")
     _apply(values, _parse_overrides(overrides or []), "--set", lambda _key: "flag --set")
     return Config(values)
+
+
+def _refuse_misspelt_variables(env: Mapping[str, str]) -> None:
+    """A SLURMFT_<SECTION>_* variable that is no setting is a typo (SLURMFT_DATABASE_URLL):
+    refuse it rather than silently run with the default. Other SLURMFT_* variables (the test
+    cluster's, the agent socket a rank is given) are not settings and are left alone."""
+    known = {s.env_var for s in SETTINGS} | PROCESS_VARIABLES
+    sections = {ENV_PREFIX + s.key.split(".")[0].upper() + "_" for s in SETTINGS}
+    for name in sorted(env):
+        if name not in known and any(name.startswith(prefix) for prefix in sections):
+            close = difflib.get_close_matches(name, [s.env_var for s in SETTINGS], n=1)
+            hint = f" Did you mean {close[0]}?" if close else " See `slurmft config show`."
+            raise ConfigError(f"unknown environment variable {name}.{hint}")
 
 
 def _apply(

@@ -39,19 +39,26 @@ def test_defaults_come_from_the_settings_table(tmp_path: Path) -> None:
 
 def test_precedence_system_file_user_file_env_flags(tmp_path: Path) -> None:
     system = tmp_path / "system.toml"
-    system.write_text('[log]\nlevel = "DEBUG"\nformat = "json"\n[daemon]\npoll_interval_s = 2\n'
-                      '[policy]\nstraggler_window_s = 60\n')
+    system.write_text(
+        '[log]\nlevel = "DEBUG"\nformat = "json"\n[daemon]\npoll_interval_s = 2\n'
+        "[policy]\nstraggler_window_s = 60\n"
+    )
     user = tmp_path / "user.toml"
     user.write_text('[log]\nlevel = "WARNING"\n[daemon]\npoll_interval_s = 3\n')
     config = load_config(
         system_file=system,
-        environ={"SLURMFT_CONFIG": str(user), "SLURMFT_DAEMON_POLL_INTERVAL_S": "4",
-                 "SLURMFT_LOG_LEVEL": "ERROR"},
+        environ={
+            "SLURMFT_CONFIG": str(user),
+            "SLURMFT_DAEMON_POLL_INTERVAL_S": "4",
+            "SLURMFT_LOG_LEVEL": "ERROR",
+        },
         overrides=["log.level=INFO"],
     )
     assert (config["log.format"], config.source("log.format")) == ("json", str(system))
     assert (config["policy.straggler_window_s"], config.source("policy.straggler_window_s")) == (
-        60.0, str(system))
+        60.0,
+        str(system),
+    )
     assert config["daemon.poll_interval_s"] == 4.0
     assert config.source("daemon.poll_interval_s") == "env SLURMFT_DAEMON_POLL_INTERVAL_S"
     assert (config["log.level"], config.source("log.level")) == ("INFO", "flag --set")
@@ -89,7 +96,7 @@ def test_bad_values_name_the_key_and_the_fix(
 
 def test_bad_value_in_a_file_names_the_file(tmp_path: Path) -> None:
     path = tmp_path / "c.toml"
-    path.write_text("[database]\nbusy_timeout_ms = \"soon\"\n")
+    path.write_text('[database]\nbusy_timeout_ms = "soon"\n')
     with pytest.raises(ConfigError, match=r"database\.busy_timeout_ms.*c\.toml"):
         _load(tmp_path, config_file=path)
 
@@ -144,3 +151,13 @@ def test_docs_config_reference_is_generated_from_the_settings() -> None:
     )
     for setting in SETTINGS:
         assert f"`{setting.env_var}`" in docs.read_text()
+
+
+def test_variables_that_are_not_settings_are_left_alone(tmp_path: Path) -> None:
+    env = {
+        "SLURMFT_CLUSTER_ROOT": "/tmp/c",
+        "SLURMFT_AGENT_SOCKET": "/tmp/s",
+        "SLURMFT_TEST_POSTGRES_URL": "postgresql://x",
+        "SLURMFT_STACKS_DIR": "/tmp/x",
+    }
+    assert _load(tmp_path, environ=env)["log.level"] == "INFO"
