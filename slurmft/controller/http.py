@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import logging
-import threading
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from http import HTTPStatus
@@ -18,6 +17,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from sqlalchemy.exc import IntegrityError
 
 from slurmft.controller.ingest import IngestRefused, ingest_batch
+from slurmft.controller.serving import ServerThread
 from slurmft.db import Database, DatabaseUnavailable
 from slurmft.protocol import (
     BATCH_PATH,
@@ -51,7 +51,7 @@ class IngestServer:
         )
         self._server = ThreadingHTTPServer((host, port), handler)
         self._server.daemon_threads = True
-        self._thread: threading.Thread | None = None
+        self._thread = ServerThread(self._server, "slurmft-ingest")
 
     @property
     def url(self) -> str:
@@ -59,20 +59,11 @@ class IngestServer:
         return f"http://{host}:{port}"
 
     def start(self) -> IngestServer:
-        self._thread = threading.Thread(
-            target=self._server.serve_forever,
-            name="slurmft-ingest",
-            kwargs={"poll_interval": 0.2},
-            daemon=True,
-        )
         self._thread.start()
         return self
 
     def stop(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
+        self._thread.stop()
 
 
 class _Handler(BaseHTTPRequestHandler):

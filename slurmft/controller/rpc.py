@@ -13,11 +13,11 @@ import os
 import socket
 import socketserver
 import struct
-import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from slurmft.controller.serving import ServerThread
 from slurmft.errors import SlurmftError
 
 log = logging.getLogger(__name__)
@@ -93,21 +93,14 @@ class RpcServer:
         self._server.daemon_threads = True
         # Every local user may connect: authorization is by peer uid, per request.
         os.chmod(socket_path, 0o666)
-        self._thread: threading.Thread | None = None
+        self._thread = ServerThread(self._server, "slurmft-rpc")
 
     def start(self) -> RpcServer:
-        self._thread = threading.Thread(
-            target=self._server.serve_forever,
-            name="slurmft-rpc",
-            kwargs={"poll_interval": 0.2},
-            daemon=True,
-        )
         self._thread.start()
         return self
 
     def stop(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
+        self._thread.stop()
         self.path.unlink(missing_ok=True)
 
 

@@ -11,6 +11,8 @@ import pytest
 from sqlalchemy import create_engine, make_url, text
 
 from slurmft.db import Database
+from slurmft.db.models import Attempt, Run
+from slurmft.db.states import RunState
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
@@ -41,3 +43,43 @@ def database(store_url: str) -> Iterator[Database]:
         yield db
     finally:
         db.dispose()
+
+
+class RunSeeder:
+    """Puts a run (and its first attempt, when it has a job) into a store, as submit would."""
+
+    def __call__(
+        self,
+        database: Database,
+        run_id: str,
+        *,
+        job_id: str | None = None,
+        owner_uid: int = 0,
+        owner_name: str = "root",
+        nodes: int = 3,
+        spares: int = 1,
+        running: bool = True,
+        **fields: object,
+    ) -> None:
+        with database.session() as session:
+            run = Run(
+                id=run_id,
+                name=fields.pop("name", run_id),
+                owner_uid=owner_uid,
+                owner_name=owner_name,
+                nodes=nodes,
+                spares=spares,
+                command=["train.py"],
+                **fields,
+            )
+            session.add(run)
+            session.flush()
+            if running:
+                run.state = RunState.RUNNING
+            if job_id is not None:
+                session.add(Attempt(run_id=run_id, number=1, slurm_job_id=job_id))
+
+
+@pytest.fixture
+def seed_run() -> RunSeeder:
+    return RunSeeder()

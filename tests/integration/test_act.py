@@ -3,7 +3,7 @@ are recorded; the same drain through the real local Slurm cluster is in test_act
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import pytest
 from sqlalchemy import select
@@ -43,14 +43,8 @@ class RecordingSlurm:
 
 
 @pytest.fixture
-def run_id(database: Database) -> str:
-    with database.session() as s:
-        run = Run(
-            id="r1", name="llama", owner_uid=1000, owner_name="alice", nodes=3, command=["train.py"]
-        )
-        s.add(run)
-        s.flush()
-        run.state = RunState.RUNNING
+def run_id(database: Database, seed_run: Callable[..., None]) -> str:
+    seed_run(database, "r1")
     return "r1"
 
 

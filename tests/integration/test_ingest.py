@@ -5,7 +5,7 @@ from __future__ import annotations
 import http.client
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 
 import pytest
@@ -21,10 +21,8 @@ from slurmft.db import Database
 from slurmft.db.models import (
     Action,
     ActionStatus,
-    Attempt,
     Event,
     RankHeartbeat,
-    Run,
     StepTime,
 )
 from slurmft.protocol import (
@@ -44,25 +42,12 @@ NOW = time.time()
 
 
 @pytest.fixture
-def tokens(database: Database) -> dict[str, str]:
+def tokens(database: Database, seed_run: Callable[..., None]) -> dict[str, str]:
     out = {}
-    with database.session() as s:
-        for run_id in ("r1", "r2"):
-            token, digest = new_run_token()
-            s.add(
-                Run(
-                    id=run_id,
-                    name=run_id,
-                    owner_uid=1000,
-                    owner_name="alice",
-                    nodes=3,
-                    command=["train.py"],
-                    token_hash=digest,
-                )
-            )
-            out[run_id] = token
-        s.flush()
-        s.add(Attempt(run_id="r1", number=1, slurm_job_id="7"))
+    for run_id in ("r1", "r2"):
+        token, digest = new_run_token()
+        seed_run(database, run_id, job_id="7" if run_id == "r1" else None, token_hash=digest)
+        out[run_id] = token
     return out
 
 

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import timedelta
 
 import pytest
@@ -7,7 +8,7 @@ from sqlalchemy import select
 
 from slurmft.db import Database
 from slurmft.db.history import read_view
-from slurmft.db.models import Action, ActionKind, ActionStatus, EventKind, FaultClass, Run, utcnow
+from slurmft.db.models import Action, ActionKind, ActionStatus, EventKind, FaultClass, utcnow
 from slurmft.db.records import (
     denied_nodes,
     denylist_add,
@@ -18,22 +19,10 @@ from slurmft.db.records import (
 )
 
 
-def _add_run(database: Database, run_id: str) -> None:
-    with database.session() as s:
-        s.add(
-            Run(
-                id=run_id,
-                name=run_id,
-                owner_uid=1000,
-                owner_name="alice",
-                nodes=3,
-                command=["train.py"],
-            )
-        )
-
-
-def test_an_action_is_recorded_before_and_after_it_runs(database: Database) -> None:
-    _add_run(database, "r1")
+def test_an_action_is_recorded_before_and_after_it_runs(
+    database: Database, seed_run: Callable[..., None]
+) -> None:
+    seed_run(database, "r1")
     with database.session() as s:
         event = record_event(
             s,
@@ -74,9 +63,11 @@ def test_an_action_is_recorded_before_and_after_it_runs(database: Database) -> N
         finish_action(row, ActionStatus.PLANNED)
 
 
-def test_denylist_scopes_expiry_and_removal(database: Database) -> None:
-    _add_run(database, "r1")
-    _add_run(database, "r2")
+def test_denylist_scopes_expiry_and_removal(
+    database: Database, seed_run: Callable[..., None]
+) -> None:
+    seed_run(database, "r1")
+    seed_run(database, "r2")
     with database.session() as s:
         first = denylist_add(s, "n1", "Xid 79")
         again = denylist_add(s, "n1", "Xid 79 again")

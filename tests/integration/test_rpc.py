@@ -6,7 +6,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -15,29 +15,19 @@ import pytest
 from slurmft.controller.rpc import DaemonUnreachable, RpcError, RpcServer, call
 from slurmft.controller.user_ops import operations
 from slurmft.db import Database
-from slurmft.db.models import Attempt, Event, EventKind, Run
-from slurmft.db.states import RunState
+from slurmft.db.models import Event, EventKind, Run
 
 ALICE, BOB = 15001, 15002
 
 
 @pytest.fixture
-def socket_path(database: Database) -> Iterator[Path]:
+def socket_path(database: Database, seed_run: Callable[..., None]) -> Iterator[Path]:
+    for run_id, uid, name in (("ra", ALICE, "alice"), ("rb", BOB, "bob")):
+        seed_run(
+            database, run_id, job_id=f"{uid}", owner_uid=uid, owner_name=name, name=f"{name}-run"
+        )
     with database.session() as s:
-        for run_id, uid, name in (("ra", ALICE, "alice"), ("rb", BOB, "bob")):
-            run = Run(
-                id=run_id,
-                name=f"{name}-run",
-                owner_uid=uid,
-                owner_name=name,
-                nodes=3,
-                spares=1,
-                command=["train.py"],
-            )
-            s.add(run)
-            s.flush()
-            run.state = RunState.RUNNING
-            s.add(Attempt(run_id=run_id, number=1, slurm_job_id=f"{uid}"))
+        for run_id in ("ra", "rb"):
             s.add(Event(run_id=run_id, kind=EventKind.NODE_LOST, node="n2", message="lost n2"))
     # Other uids must reach the socket: pytest's own tmp dirs are private to root.
     runtime = Path(tempfile.mkdtemp(prefix="slurmft-rpc-"))

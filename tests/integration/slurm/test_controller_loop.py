@@ -3,7 +3,7 @@ killed; the controller sees it lost, records why, takes it out of the run, and d
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -16,9 +16,8 @@ from slurmft.controller.decide import Policy, decide
 from slurmft.controller.observe import gather
 from slurmft.controller.views import ClusterView, ExcludeNode, JobPhase, NodeCondition, RecordEvent
 from slurmft.db import Database
-from slurmft.db.models import Action, ActionKind, ActionStatus, Attempt, Event, EventKind, Run
+from slurmft.db.models import Action, ActionKind, ActionStatus, Event, EventKind
 from slurmft.db.records import denied_nodes
-from slurmft.db.states import RunState
 
 pytestmark = pytest.mark.slurm
 
@@ -37,26 +36,13 @@ def _observe(database: Database, cluster: Cluster) -> ClusterView:
 
 
 def test_a_killed_node_is_seen_recorded_and_excluded_once(
-    cluster: Cluster, database: Database
+    cluster: Cluster, database: Database, seed_run: Callable[..., None]
 ) -> None:
     job_id = cluster.submit(
         ["sleep", "300"], nodes=3, spare_nodes=1, run_id="rloop", ntasks_per_node=1
     )
     job, _ = cluster.wait_running(job_id)
-    with database.session() as s:
-        run = Run(
-            id="rloop",
-            name="loop",
-            owner_uid=0,
-            owner_name="root",
-            nodes=3,
-            spares=1,
-            command=["sleep", "300"],
-        )
-        s.add(run)
-        s.flush()
-        run.state = RunState.RUNNING
-        s.add(Attempt(run_id="rloop", number=1, slurm_job_id=job_id))
+    seed_run(database, "rloop", job_id=job_id)
     policy = Policy()
 
     healthy = _observe(database, cluster)

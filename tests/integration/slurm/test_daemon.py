@@ -8,7 +8,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -17,8 +17,7 @@ from sqlalchemy import func, select
 
 from slurmft.controller.rpc import SOCKET_NAME, DaemonUnreachable, call
 from slurmft.db import Database
-from slurmft.db.models import Action, Attempt, Event, EventKind, Run
-from slurmft.db.states import RunState
+from slurmft.db.models import Action, Event, EventKind
 
 pytestmark = pytest.mark.slurm
 
@@ -92,7 +91,7 @@ def _count(database: Database, *where: object) -> int:
 
 
 def test_daemon_loop_survives_sigkill_and_stops_on_sigterm(
-    cluster: Cluster, env: dict[str, str], daemon: DaemonProcess
+    cluster: Cluster, env: dict[str, str], daemon: DaemonProcess, seed_run: Callable[..., None]
 ) -> None:
     _slurmft(env, "db", "upgrade")
     database = Database(f"sqlite:///{env['SLURMFT_PATHS_STATE_DIR']}/slurmft.db")
@@ -100,20 +99,7 @@ def test_daemon_loop_survives_sigkill_and_stops_on_sigterm(
         ["sleep", "300"], nodes=3, spare_nodes=1, run_id="rd", ntasks_per_node=1
     )
     job, _ = cluster.wait_running(job_id)
-    with database.session() as s:
-        run = Run(
-            id="rd",
-            name="daemon-test",
-            owner_uid=0,
-            owner_name="root",
-            nodes=3,
-            spares=1,
-            command=["sleep", "300"],
-        )
-        s.add(run)
-        s.flush()
-        run.state = RunState.RUNNING
-        s.add(Attempt(run_id="rd", number=1, slurm_job_id=job_id))
+    seed_run(database, "rd", job_id=job_id)
 
     daemon.start()
     socket_path = Path(env["SLURMFT_PATHS_RUNTIME_DIR"]) / SOCKET_NAME
