@@ -203,6 +203,15 @@ SETTINGS: tuple[Setting, ...] = (
         "daemon.observe_only", bool, False, "Decide and record actions but execute none of them."
     ),
     Setting(
+        "daemon.stuck_after_passes",
+        int,
+        24,
+        "The main loop counts as stuck when no control pass has ended for this many poll "
+        "intervals: /healthz fails and the systemd watchdog pings stop (systemd then restarts "
+        "the daemon). Keep it above the Slurm calls of one slow pass (slurm.command_timeout_s).",
+        minimum=2,
+    ),
+    Setting(
         "retention.step_times_raw_hours",
         float,
         6.0,

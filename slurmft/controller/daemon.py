@@ -9,7 +9,10 @@ start; ``coalesce`` and ``max_instances=1`` so a slow pass is never run twice at
 - *retention* (every 5 minutes): raw step times folded into per-minute aggregates, sampled
   heartbeats past their window deleted.
 
-Two servers run beside the scheduler: the agents' HTTP endpoint and the CLI's unix socket.
+Three servers run beside the scheduler: the agents' HTTP endpoint, the CLI's unix socket, and
+``/metrics`` + ``/healthz`` (``daemon.metrics_listen``). Under systemd (Type=notify) the daemon
+says READY once the schema is at head and the first Slurm poll succeeded, pings the watchdog
+while the control loop is alive (see health.py), and says STOPPING when it is asked to stop.
 Everything the daemon knows lives in the store, so a restart (or a SIGKILL) loses nothing:
 agents resend what was not acknowledged, and the next pass reconciles with Slurm.
 """
@@ -19,6 +22,7 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+import time
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from types import FrameType
@@ -26,15 +30,21 @@ from types import FrameType
 from apscheduler.schedulers.background import BackgroundScheduler
 
 from slurmft.config import Config, ConfigError
-from slurmft.controller.act import Executor
+from slurmft.controller import views as v
+from slurmft.controller.act import Executor, Outcome
 from slurmft.controller.decide import Policy, decide
+from slurmft.controller.health import LoopLiveness, OpsServer, check_health
 from slurmft.controller.http import IngestServer
+from slurmft.controller.metrics import SCHEDULER_EVENTS, DaemonMetrics, TimedRunner
+from slurmft.controller.notify import Notifier
 from slurmft.controller.observe import gather
 from slurmft.controller.rpc import SOCKET_NAME, RpcServer
 from slurmft.controller.user_ops import operations
 from slurmft.db import Database, DatabaseUnavailable
+from slurmft.db.models import ActionStatus
 from slurmft.db.retention import fold_step_times, prune_heartbeat_samples
 from slurmft.slurm import CliSlurmClient, SlurmClient
+from slurmft.slurm.runner import SubprocessRunner
 
 log = logging.getLogger(__name__)
 
@@ -56,11 +66,15 @@ class Daemon:
         database: Database | None = None,
         slurm: SlurmClient | None = None,
         clock: Callable[[], datetime] = lambda: datetime.now(UTC),
+        notifier: Notifier | None = None,
     ) -> None:
         self.config = config
         self.database = database or Database.from_config(config)
+        self.metrics = DaemonMetrics(self.database)
+        conf = config["slurm.conf"]
         self.slurm = slurm or CliSlurmClient(
-            slurm_conf=config["slurm.conf"] or None, timeout_s=config["slurm.command_timeout_s"]
+            TimedRunner(SubprocessRunner({"SLURM_CONF": conf} if conf else None), self.metrics),
+            timeout_s=config["slurm.command_timeout_s"],
         )
         self.policy = Policy.from_config(config)
         self.executor = Executor(
@@ -69,13 +83,20 @@ class Daemon:
         self.clock = clock
         self.passes = 0
         self.last_pass_at: datetime | None = None
+        self.skipped_because: str | None = None  # why the last pass decided nothing
+        self.notifier = notifier or Notifier()
+        interval = config["daemon.poll_interval_s"]
+        self.liveness = LoopLiveness(config["daemon.stuck_after_passes"] * interval)
+        self._loop_stuck_logged = False
         self._stopped = threading.Event()
         self._scheduler = BackgroundScheduler(
             timezone=UTC,
             job_defaults={"coalesce": True, "max_instances": 1, "misfire_grace_time": 30},
         )
+        self._scheduler.add_listener(self.metrics.on_scheduler_event, SCHEDULER_EVENTS)
         self._ingest: IngestServer | None = None
         self._rpc: RpcServer | None = None
+        self._ops: OpsServer | None = None
 
     # --- the periodic jobs ------------------------------------------------------------------
 
@@ -92,15 +113,70 @@ class Daemon:
                 )
         except DatabaseUnavailable as exc:
             log.warning("control pass skipped: %s", exc)
+            self.skipped_because = "store"
             return 0
         if not view.slurm_reachable:
             log.warning("control pass skipped: Slurm unreachable; nothing decided")
+            self.skipped_because = "slurm"
             return 0
+        self.skipped_because = None
         actions = decide(view, self.policy)
-        self.executor.execute(actions)
+        outcomes = self.executor.execute(actions)
+        self._observe_detections(outcomes)
         self.passes += 1
         self.last_pass_at = self.clock()
         return len(actions)
+
+    def _observe_detections(self, outcomes: list[Outcome]) -> None:
+        """Detection latency of the failures this pass found (see DaemonMetrics)."""
+        since_last_pass = (
+            (self.clock() - self.last_pass_at).total_seconds() if self.last_pass_at else None
+        )
+        for outcome in outcomes:
+            action = outcome.action
+            if not isinstance(action, v.RecordEvent) or outcome.status is not ActionStatus.DONE:
+                continue
+            seconds = action.evidence.get("seconds", since_last_pass)
+            if isinstance(seconds, int | float):
+                self.metrics.detection_latency.labels(action.kind.value).observe(seconds)
+
+    def _control_tick(self) -> None:
+        """The main loop's step: a control pass, then the liveness the watchdog and /healthz
+        read, then READY after the first pass that reached Slurm."""
+        started = time.monotonic()
+        self.control_pass()
+        self.metrics.control_pass_duration.observe(time.monotonic() - started)
+        self.metrics.control_passes.labels(
+            f"skipped_{self.skipped_because}" if self.skipped_because else "completed"
+        ).inc()
+        self.metrics.last_control_pass.set_to_current_time()
+        slurm_reachable = None if self.skipped_because == "store" else not self.skipped_because
+        self.liveness.tick(slurm_reachable=slurm_reachable)
+        if self._loop_stuck_logged:
+            log.warning("main loop running again")
+            self._loop_stuck_logged = False
+        if self.passes and not self.notifier.ready_sent:
+            self.notifier.ready(f"watching Slurm every {self.config['daemon.poll_interval_s']:g}s")
+            log.info("ready: schema at head, first Slurm poll succeeded")
+        elif self.skipped_because and not self.notifier.ready_sent:
+            self.notifier.status(f"waiting for {self.skipped_because} before READY")
+
+    def _watchdog_tick(self) -> None:
+        """Ping systemd only while the main loop lives: a stuck loop gets the daemon restarted.
+        systemd arms the watchdog once start-up is over, so pinging starts after READY."""
+        if not self.notifier.ready_sent:
+            return
+        if self.liveness.alive():
+            self.notifier.watchdog()
+            return
+        if not self._loop_stuck_logged:
+            self._loop_stuck_logged = True
+            log.error(
+                "main loop stuck: no control pass for %.0fs (limit %.0fs); withholding watchdog "
+                "pings so systemd restarts the daemon",
+                self.liveness.seconds_since_pass(),
+                self.liveness.stuck_after_s,
+            )
 
     def retention_pass(self) -> None:
         now = self.clock()
@@ -128,13 +204,19 @@ class Daemon:
             port,
             sample_every=timedelta(seconds=self.config["retention.heartbeat_sample_s"]),
             clock=self.clock,
+            observe=self.metrics.observe_ingest,
         ).start()
         self._rpc = RpcServer(
             self.config.runtime_dir / SOCKET_NAME, operations(self.database)
         ).start()
+        host, port = _host_port(self.config["daemon.metrics_listen"], "daemon.metrics_listen")
+        self._ops = OpsServer(
+            self.metrics.registry, lambda: check_health(self.liveness, self.database), host, port
+        ).start()
         interval = self.config["daemon.poll_interval_s"]
+        self.liveness.tick()  # the loop's clock starts now, not at construction
         self._scheduler.add_job(
-            self.control_pass,
+            self._control_tick,
             "interval",
             seconds=interval,
             id="control",
@@ -143,13 +225,24 @@ class Daemon:
         self._scheduler.add_job(
             self.retention_pass, "interval", seconds=RETENTION_INTERVAL_S, id="retention"
         )
+        watchdog_s = self.notifier.watchdog_interval_s
+        if watchdog_s is not None:
+            self._scheduler.add_job(
+                self._watchdog_tick,
+                "interval",
+                seconds=watchdog_s,
+                id="watchdog",
+                next_run_time=self.clock(),
+            )
         self._scheduler.start()
         log.info(
-            "slurmft daemon up: store %s, ingest %s, socket %s, every %.1fs%s",
+            "slurmft daemon up: store %s, ingest %s, socket %s, metrics %s, every %.1fs%s%s",
             self.database.describe(),
             self._ingest.url,
             self._rpc.path,
+            self._ops.url,
             interval,
+            f", watchdog ping every {watchdog_s:.1f}s" if watchdog_s else "",
             " (observe-only)" if self.config["daemon.observe_only"] else "",
         )
         return self
@@ -159,11 +252,18 @@ class Daemon:
         assert self._ingest is not None, "start() first"
         return self._ingest.url
 
+    @property
+    def metrics_url(self) -> str:
+        assert self._ops is not None, "start() first"
+        return self._ops.url
+
     def stop(self) -> None:
+        self.notifier.stopping()
         self._stopped.set()
         if self._scheduler.running:
-            self._scheduler.shutdown(wait=True)
-        for server in (self._ingest, self._rpc):
+            # Waiting on a stuck control pass would hang the stop until systemd's SIGKILL.
+            self._scheduler.shutdown(wait=self.liveness.alive())
+        for server in (self._ingest, self._rpc, self._ops):
             if server is not None:
                 server.stop()
         self.database.dispose()

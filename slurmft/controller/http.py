@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from http import HTTPStatus
@@ -43,11 +44,18 @@ class IngestServer:
         *,
         sample_every: timedelta = timedelta(seconds=60),
         clock: Callable[[], datetime] = lambda: datetime.now(UTC),
+        observe: Callable[[int, float], None] | None = None,
     ) -> None:
         handler = type(
             "Handler",
             (_Handler,),
-            {"database": database, "clock": staticmethod(clock), "sample_every": sample_every},
+            {
+                "database": database,
+                "clock": staticmethod(clock),
+                "sample_every": sample_every,
+                # Metrics hook: (HTTP status, seconds) of every batch POST.
+                "observe": staticmethod(observe or _ignore),
+            },
         )
         self._server = ThreadingHTTPServer((host, port), handler)
         self._server.daemon_threads = True
@@ -70,7 +78,9 @@ class _Handler(BaseHTTPRequestHandler):
     database: Database
     clock: Callable[[], datetime]
     sample_every: timedelta
+    observe: Callable[[int, float], None]
     server_version = "slurmft"
+    _status = 0
 
     def log_message(self, format: str, *args: object) -> None:
         log.debug("ingest %s " + format, self.client_address[0], *args)
@@ -85,6 +95,13 @@ class _Handler(BaseHTTPRequestHandler):
         if self.path != BATCH_PATH:
             self._error(HTTPStatus.NOT_FOUND, f"no such path {self.path}")
             return
+        started = time.monotonic()
+        try:
+            self._answer_batch()
+        finally:
+            self.observe(self._status, time.monotonic() - started)
+
+    def _answer_batch(self) -> None:
         try:
             self._reply(HTTPStatus.OK, self._ingest())
         except IngestRefused as exc:
@@ -115,6 +132,7 @@ class _Handler(BaseHTTPRequestHandler):
         return reply.to_json()
 
     def _reply(self, status: HTTPStatus, body: bytes) -> None:
+        self._status = status
         self.send_response(status)
         self.send_header("Content-Type", CONTENT_TYPE)
         self.send_header("Content-Length", str(len(body)))
@@ -124,6 +142,10 @@ class _Handler(BaseHTTPRequestHandler):
     def _error(self, status: HTTPStatus, message: str) -> None:
         self.close_connection = True  # an unread body must never be parsed as the next request
         self._reply(status, json.dumps({"error": message}).encode())
+
+
+def _ignore(_status: int, _seconds: float) -> None:
+    pass
 
 
 def _bearer(header: str) -> str | None:
