@@ -29,5 +29,5 @@ ensure_venv() {
         .venv/bin/python -m pip install -q torch==2.13.0 >&2
     fi
     echo "installing slurmft with its extras" >&2
-    .venv/bin/python -m pip install -q -e '.[train,postgres,dev]' >&2
+    .venv/bin/python -m pip install -q -e '.[train,postgres,dev,report]' >&2
 }

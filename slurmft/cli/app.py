@@ -15,6 +15,7 @@ from slurmft.cli import (
     db_cmd,
     gpu_cmd,
     history_cmd,
+    report_cmd,
     runs_cmd,
 )
 from slurmft.cli.context import CliState
@@ -34,6 +35,7 @@ app.add_typer(history_cmd.app, name="history")
 app.add_typer(gpu_cmd.app, name="gpu")
 runs_cmd.register(app)
 daemon_cmd.register(app)
+report_cmd.register(app)
 
 
 def _version(value: bool) -> None:

@@ -1,0 +1,57 @@
+"""`slurmft report RUN`: the straggler picture of a run, or its numbers with --json.
+
+It reads the store directly, like `slurmft history`: it is for whoever may read the store (the
+daemon's user, an admin, a database role for the ML team), not routed through the daemon.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from slurmft.cli.context import echo_json, state
+from slurmft.report.steps import DEFAULT_MAX_COLUMNS, load_step_picture
+
+
+def report(
+    ctx: typer.Context,
+    run_id: Annotated[str, typer.Argument(help="Run id (see `slurmft runs`).")],
+    out: Annotated[
+        Path | None,
+        typer.Option("--out", "-o", help="PNG to write (default: <RUN>-steps.png here)."),
+    ] = None,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print the numbers instead of drawing.")
+    ] = False,
+    max_columns: Annotated[
+        int, typer.Option("--max-columns", min=10, help="Bin a long run into this many columns.")
+    ] = DEFAULT_MAX_COLUMNS,
+) -> None:
+    """Per-rank step times: a ranks x steps heat map of own compute time over the median band,
+    with stragglers, hangs, restarts and the controller's actions marked."""
+    cli = state(ctx)
+    database = cli.database()
+    database.require_current()
+    with database.session() as session:
+        picture = load_step_picture(session, run_id, max_columns=max_columns)
+    database.dispose()
+    if as_json:
+        echo_json(picture.to_json())
+        return
+    from slurmft.report.plot import render  # matplotlib only when a picture is asked for
+
+    target = out or Path(f"{run_id}-steps.png")
+    render(picture, target, threshold=cli.config["policy.straggler_threshold"])
+    flagged = ", ".join(str(r) for r in picture.flagged_ranks) or "none"
+    slowest = max(picture.slowdown.items(), key=lambda item: item[1], default=None)
+    typer.echo(
+        f"wrote {target}: {len(picture.ranks)} ranks x {len(picture.columns)} columns "
+        f"(steps {picture.columns[0][0]}-{picture.columns[-1][1]}); flagged ranks: {flagged}"
+        + (f"; slowest rank {slowest[0]} at x{slowest[1]:.2f} the median" if slowest else "")
+    )
+
+
+def register(app: typer.Typer) -> None:
+    app.command()(report)

@@ -1,0 +1,208 @@
+"""`slurmft report`: a run with one rank 30% slower gives a picture whose row for that rank
+stands out — checked on the plotted array and on the PNG's pixels — and the same numbers as JSON."""
+
+from __future__ import annotations
+
+import json
+import random
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+from typer.testing import CliRunner
+
+from slurmft.cli.app import app
+from slurmft.db import Database
+from slurmft.db.models import (
+    Action,
+    ActionKind,
+    ActionStatus,
+    Event,
+    EventKind,
+    FaultClass,
+    RankHeartbeat,
+    StepTime,
+    StepTimeMinute,
+)
+from slurmft.report.steps import NoStepTimes, load_step_picture
+
+pytest.importorskip("matplotlib", reason="the report extra (pip install 'slurmft[report]')")
+
+RANKS, STEPS, SLOW_RANK = 8, 60, 5
+BASE_S, SLOWER = 0.10, 1.30
+FLAGGED_AT_STEP = 40
+T0 = datetime(2026, 11, 1, 12, 0, tzinfo=UTC)
+
+
+def _node(rank: int) -> str:
+    return f"n{rank // 2}"  # two ranks per node
+
+
+def _seed(database: Database, seed_run: Any) -> None:
+    seed_run(database, "rs", job_id="77", nodes=4, spares=1)
+    noise = random.Random(8)
+    with database.session() as s:
+        for step in range(STEPS):
+            ended = T0 + timedelta(seconds=step)
+            for rank in range(RANKS):
+                compute = BASE_S * (SLOWER if rank == SLOW_RANK else 1.0)
+                compute *= 1 + noise.uniform(-0.03, 0.03)
+                s.add(
+                    StepTime(
+                        run_id="rs",
+                        rank=rank,
+                        step=step,
+                        compute_s=compute,
+                        wait_s=BASE_S * SLOWER - compute,  # everyone waits for the slowest
+                        ended_at=ended,
+                    )
+                )
+        for rank in range(RANKS):
+            s.add(
+                RankHeartbeat(
+                    run_id="rs",
+                    rank=rank,
+                    node=_node(rank),
+                    phase="train",
+                    step=STEPS - 1,
+                    seq=1,
+                    sent_at=T0 + timedelta(seconds=STEPS),
+                )
+            )
+        flagged_at = T0 + timedelta(seconds=FLAGGED_AT_STEP, milliseconds=500)
+        s.add(
+            Event(
+                run_id="rs",
+                kind=EventKind.STRAGGLER,
+                fault_class=FaultClass.STRAGGLER,
+                node=_node(SLOW_RANK),
+                rank=SLOW_RANK,
+                message="rank 5 computes 30% above its peers' median",
+                occurred_at=flagged_at,
+            )
+        )
+        s.add(
+            Action(
+                run_id="rs",
+                kind=ActionKind.AGENT_LEAVE,
+                node=_node(SLOW_RANK),
+                reason="straggler leaves the run; a spare takes its place",
+                status=ActionStatus.DONE,
+                created_at=flagged_at,
+            )
+        )
+
+
+@pytest.fixture
+def store(database: Database, seed_run: Any) -> Database:
+    _seed(database, seed_run)
+    return database
+
+
+def test_numbers_show_the_straggler_and_place_the_marks(store: Database) -> None:
+    with store.session() as s:
+        picture = load_step_picture(s, "rs")
+    assert picture.ranks == list(range(RANKS))
+    assert len(picture.columns) == STEPS
+    assert picture.slowdown[SLOW_RANK] == pytest.approx(SLOWER, rel=0.03)
+    assert all(
+        picture.slowdown[r] == pytest.approx(1.0, abs=0.04) for r in range(RANKS) if r != SLOW_RANK
+    )
+    assert picture.median_s[10] == pytest.approx(BASE_S, rel=0.04)
+    assert picture.flagged_ranks == [SLOW_RANK]
+    assert picture.flags[0].step == FLAGGED_AT_STEP
+    (leave,) = picture.actions
+    assert (leave.kind, leave.step, leave.ranks) == ("agent_leave", FLAGGED_AT_STEP, (4, 5))
+
+
+def test_picture_row_of_the_straggler_stands_out(store: Database, tmp_path: Path) -> None:
+    import matplotlib.image
+    import numpy as np
+
+    from slurmft.report.plot import render
+
+    with store.session() as s:
+        picture = load_step_picture(s, "rs")
+    out = tmp_path / "rs.png"
+    fig = render(picture, out, threshold=0.2)
+
+    # The data drawn: the heat map's array, row by row.
+    heat = fig.axes[0]
+    drawn = np.asarray(heat.images[0].get_array())
+    row_means = drawn.mean(axis=1)
+    others = np.delete(row_means, SLOW_RANK)
+    assert row_means[SLOW_RANK] / others.mean() == pytest.approx(SLOWER, rel=0.03)
+
+    # The pixels written: the straggler's row has another colour than every other row.
+    pixels = matplotlib.image.imread(out)[:, :, :3]
+    height = pixels.shape[0]
+
+    def row_colour(row: int) -> Any:
+        samples = []
+        for column in range(5, STEPS - 5, 5):
+            if column == FLAGGED_AT_STEP:
+                continue  # the flag's marker is drawn there
+            x, y = heat.transData.transform((column, row))
+            samples.append(pixels[round(height - y), round(x)])
+        return np.median(np.array(samples), axis=0)
+
+    colours = np.array([row_colour(r) for r in range(RANKS)])
+    normal = np.median(np.delete(colours, SLOW_RANK, axis=0), axis=0)
+    distance = np.linalg.norm(colours - normal, axis=1)
+    assert distance[SLOW_RANK] > 0.3, distance
+    assert np.delete(distance, SLOW_RANK).max() < 0.1, distance
+    print(
+        f"colour distance from the usual row: straggler {distance[SLOW_RANK]:.2f}, others "
+        f"<= {np.delete(distance, SLOW_RANK).max():.2f}"
+    )
+
+
+def test_folded_minutes_fill_in_older_steps(store: Database) -> None:
+    with store.session() as s:
+        for rank in range(RANKS):
+            s.add(
+                StepTimeMinute(
+                    run_id="rs",
+                    rank=rank,
+                    minute=T0 - timedelta(minutes=1),
+                    steps=20,
+                    first_step=-20,
+                    last_step=-1,
+                    compute_median_s=0.2 if rank == SLOW_RANK else 0.1,
+                    compute_p95_s=0.2,
+                    compute_total_s=2.0,
+                    wait_median_s=0.0,
+                    wait_p95_s=0.0,
+                    wait_total_s=0.0,
+                )
+            )
+    with store.session() as s:
+        picture = load_step_picture(s, "rs", max_columns=16)
+    assert picture.columns[0][0] == -20 and picture.columns[-1][1] == STEPS - 1
+    assert len(picture.columns) <= 16
+    assert picture.compute_s[SLOW_RANK][0] == pytest.approx(0.2)
+    assert picture.compute_s[0][0] == pytest.approx(0.1)
+
+
+def test_cli_json_and_png(store: Database, tmp_path: Path) -> None:
+    runner = CliRunner()
+    url = f"database.url={store.url.render_as_string(hide_password=False)}"
+    result = runner.invoke(app, ["--set", url, "report", "rs", "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    assert data["flagged_ranks"] == [SLOW_RANK]
+    assert data["slowdown"][str(SLOW_RANK)] == pytest.approx(SLOWER, rel=0.03)
+    assert len(data["compute_s"]) == RANKS and len(data["compute_s"][0]) == STEPS
+
+    out = tmp_path / "picture.png"
+    result = runner.invoke(app, ["--set", url, "report", "rs", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"flagged ranks: {SLOW_RANK}" in result.output
+
+
+def test_a_run_without_step_times_says_why(database: Database, seed_run: Any) -> None:
+    seed_run(database, "plain", job_id="78")
+    with database.session() as s, pytest.raises(NoStepTimes, match=r"slurmft\.train"):
+        load_step_picture(s, "plain")
