@@ -63,6 +63,10 @@ class AgentSettings:
     def stacks_dir(self) -> Path:
         return self.work_dir / "stacks"
 
+    @property
+    def save_request_file(self) -> Path:
+        return self.work_dir / "save-request"
+
 
 @dataclass
 class WorkerSeen:
@@ -132,6 +136,12 @@ class NodeAgent:
         else:
             log.warning("unknown command %r ignored", command.kind)
 
+    def request_save(self) -> None:
+        """Ask the local ranks for a coordinated save (time limit, preemption): they see the
+        file's new modification time at their next step and agree on the step to save at."""
+        self.settings.save_request_file.touch()
+        os.utime(self.settings.save_request_file)
+
     def request_stop(self, reason: str) -> None:
         if not self.state.stop_reason:
             self.state.stop_reason = reason
@@ -194,7 +204,8 @@ class NodeAgent:
     def _run_torchrun(self, channel: RankChannelServer) -> AgentExit:
         settings = self.settings
         env = torchrun_env(dict(os.environ), agent_socket=str(settings.socket_path),
-                           stacks_dir=str(settings.stacks_dir))
+                           stacks_dir=str(settings.stacks_dir),
+                           save_request_file=str(settings.save_request_file))
         argv = launcher_argv(settings.spec, settings.python)
         log.info("starting torchrun: %s", " ".join(argv))
         process = subprocess.Popen(argv, env=env)

@@ -50,6 +50,8 @@ NCCL_DEBUG_FILE_ENV = "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"
 # The training library's node-local channel and stack-dump directory (slurmft.train).
 AGENT_SOCKET_ENV = "SLURMFT_AGENT_SOCKET"
 STACKS_DIR_ENV = "SLURMFT_STACKS_DIR"
+# Touching this file asks every rank for a coordinated save at the next step boundary.
+SAVE_REQUEST_FILE_ENV = "SLURMFT_SAVE_REQUEST_FILE"
 
 DEFAULT_MAX_RESTARTS = 1_000_000
 
@@ -119,7 +121,7 @@ def launcher_argv(spec: TorchrunSpec, python: str) -> list[str]:
 
 
 def torchrun_env(
-    base: Mapping[str, str], *, agent_socket: str, stacks_dir: str
+    base: Mapping[str, str], *, agent_socket: str, stacks_dir: str, save_request_file: str
 ) -> dict[str, str]:
     """torchrun's environment: the user's, NCCL defaults under it, slurmft's requirements over it.
     torchrun passes it on to the workers."""
@@ -129,4 +131,5 @@ def torchrun_env(
     env.update(REQUIRED_ENV)
     env[AGENT_SOCKET_ENV] = agent_socket
     env[STACKS_DIR_ENV] = stacks_dir
+    env[SAVE_REQUEST_FILE_ENV] = save_request_file
     return env

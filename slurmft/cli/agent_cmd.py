@@ -112,6 +112,8 @@ def _install_stop_signals(agent: NodeAgent) -> None:
 
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, stop)
+    # `scancel --signal=USR1` on the agent step (the batch step's answer to its own USR1).
+    signal.signal(signal.SIGUSR1, lambda *_: agent.request_save())
 
 
 @app.command("store")

@@ -65,6 +65,7 @@ def test_env_forces_store_fix_and_channel_but_keeps_users_nccl_choice() -> None:
          "PATH": "/bin"},
         agent_socket="/tmp/a/ranks.sock",
         stacks_dir="/tmp/a/stacks",
+        save_request_file="/tmp/a/save-request",
     )
     assert env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
     assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3"  # the user's value wins
@@ -73,6 +74,7 @@ def test_env_forces_store_fix_and_channel_but_keeps_users_nccl_choice() -> None:
     assert env["TORCH_FR_DUMP_TEMP_FILE"] == "/tmp/a/stacks/nccl-trace-rank-"
     assert env["SLURMFT_AGENT_SOCKET"] == "/tmp/a/ranks.sock"
     assert env["SLURMFT_STACKS_DIR"] == "/tmp/a/stacks"
+    assert env["SLURMFT_SAVE_REQUEST_FILE"] == "/tmp/a/save-request"
     assert env["PATH"] == "/bin"
 
 
