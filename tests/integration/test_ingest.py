@@ -209,11 +209,16 @@ def test_time_endpoint_for_the_clock_skew_check(server: IngestServer) -> None:
     assert abs(data["server_time"] - datetime.now(UTC).timestamp()) < 5
 
 
+def _containers(children: st.SearchStrategy[object]) -> st.SearchStrategy[object]:
+    return st.one_of(
+        st.lists(children, max_size=4),
+        st.dictionaries(st.text(max_size=10), children, max_size=4),
+    )
+
+
 _json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
-    lambda children: (
-        st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=10), children, max_size=4)
-    ),
+    _containers,
     max_leaves=20,
 )
 
