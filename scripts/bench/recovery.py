@@ -67,14 +67,15 @@ class StepClock:
         self._thread.join()
 
 
-def one_run(root: Path, timeout_s: float) -> float:
-    cluster = AgentCluster(root, 3, ARGS)
+def one_run(root: Path, timeout_s: float, settings: list[str], env: dict[str, str]) -> float:
+    cluster = AgentCluster(root, 3, ARGS, settings=settings, env=env)
     clock = StepClock(cluster.out_dir / "losses.jsonl")
     try:
         cluster.start(4)
         cluster.wait_for_step(8, timeout_s)
         active = cluster.active_agents()
         killed_at = cluster.kill_node(active[1])
+        (root / "killed_at").write_text(f"{killed_at} agent{active[1].index}\n")
         # +0.5 s: a line written in the instant of the kill belongs to the old world.
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -93,14 +94,22 @@ def main() -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--timeout-s", type=float, default=180)
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="an agent setting, e.g. agent.keep_alive_max_attempts=3")
+    parser.add_argument("--keep", action="store_true", help="keep each run's directory and "
+                        "log torchrun at INFO (rendezvous rounds), to see where the time goes")
     args = parser.parse_args()
+    env = {"LOGLEVEL": "INFO"} if args.keep else {}
     times = []
     for n in range(args.runs):
         root = Path(tempfile.mkdtemp(prefix="recovery-"))
         try:
-            times.append(one_run(root, args.timeout_s))
+            times.append(one_run(root, args.timeout_s, args.set, env))
         finally:
-            shutil.rmtree(root, ignore_errors=True)
+            if args.keep:
+                print(f"kept {root}", flush=True)
+            else:
+                shutil.rmtree(root, ignore_errors=True)
         print(f"run {n + 1}: node kill -> first step at world size 3: {times[-1]:.2f} s",
               flush=True)
     print(f"min {min(times):.2f} s, max {max(times):.2f} s over {len(times)} runs")

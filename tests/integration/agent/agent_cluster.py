@@ -78,6 +78,7 @@ class AgentCluster:
     script_args: list[str]
     settings: list[str] = field(default_factory=list)  # --set key=value for every agent
     nproc_per_node: int = 1
+    env: dict[str, str] = field(default_factory=dict)  # extra environment for every agent
     agents: list[Agent] = field(default_factory=list)
     store: StoreSupervisor | None = None
     run_id: str = "t"
@@ -111,8 +112,8 @@ class AgentCluster:
             *self.script_args,
         ]
         with log_path.open("wb") as log:
-            process = subprocess.Popen(argv, env=clean_env(), stdout=log, stderr=subprocess.STDOUT,
-                                       start_new_session=True)
+            process = subprocess.Popen(argv, env=clean_env(self.env), stdout=log,
+                                       stderr=subprocess.STDOUT, start_new_session=True)
         agent = Agent(index, process, log_path, work_dir)
         self.agents.append(agent)
         return agent
