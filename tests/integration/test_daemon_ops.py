@@ -25,6 +25,7 @@ from slurmft.config import Config, load_config
 from slurmft.controller.daemon import Daemon
 from slurmft.controller.notify import Notifier
 from slurmft.db import Database
+from slurmft.protocol import BATCH_PATH
 
 WATCHDOG_USEC = 500_000  # pings every 0.2 s (0.4 x WATCHDOG_USEC)
 
@@ -211,8 +212,12 @@ def test_metrics_endpoint_serves_build_info_store_counts_and_slurm_latency(
     while daemon.passes < 1:
         assert time.monotonic() < deadline
         time.sleep(0.05)
+    refused = urllib.request.Request(daemon.ingest_url + BATCH_PATH, data=b"{}", method="POST")
+    with pytest.raises(urllib.error.HTTPError, match="401"):
+        urllib.request.urlopen(refused, timeout=5)  # no run token
     status, text = _get(daemon.metrics_url + "/metrics")
     assert status == 200
+    assert 'slurmft_ingest_requests_total{code="401"} 1.0' in text
     assert 'slurmft_build_info{python="' in text
     assert 'slurmft_runs{state="running"} 1.0' in text
     assert 'slurmft_recoveries_total{kind="agent_leave"} 0.0' in text
