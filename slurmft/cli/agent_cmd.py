@@ -133,3 +133,46 @@ def store(
         stopped.wait()
     finally:
         supervisor.stop()
+
+
+@app.command(
+    "batch",
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+)
+def batch(  # noqa: PLR0917 (typer: one parameter per option)
+    ctx: typer.Context,
+    run_id: Annotated[str, typer.Option(help="The run's id (also the rendezvous id).")],
+    nodes: Annotated[int, typer.Option(help="Training nodes N.")],
+    ckpt_dir: Annotated[str, typer.Option(help="Shared checkpoint directory (progress, budget).")],
+    spares: Annotated[int, typer.Option(help="Hot spare nodes S.")] = 0,
+    store_port: Annotated[int, typer.Option(help="Port of the rendezvous store.")] = 29400,
+    store_host: Annotated[
+        str, typer.Option(help="This node's address on the job network; default: its host name's.")
+    ] = "",
+    nproc_per_node: Annotated[int, typer.Option(help="Worker processes per node.")] = 1,
+    max_restarts_without_progress: Annotated[int, typer.Option(help="The restart budget.")] = 5,
+    save_timeout_s: Annotated[float, typer.Option(help="Time limit: time to save.")] = 120.0,
+    token_file: Annotated[str, typer.Option(help="The run's token for the agents.")] = "",
+) -> None:
+    """The batch step: host the store, run and relaunch the agent step, requeue, keep the budget."""
+    from slurmft.agent.batch import BatchSpec
+    from slurmft.agent.batch_step import BatchStep
+    from slurmft.slurm.cli_backend import CliSlurmClient
+
+    config = state(ctx).config
+    _setup_logging("batch", config["log.level"])
+    spec = BatchSpec(
+        run_id=run_id, nodes=nodes, spares=spares, script=tuple(ctx.args), ckpt_dir=ckpt_dir,
+        store_port=store_port, nproc_per_node=nproc_per_node,
+        max_restarts_without_progress=max_restarts_without_progress,
+        save_timeout_s=save_timeout_s, slurmft=sys.argv[0], token_file=token_file,
+    )
+    job_id = os.environ.get("SLURM_JOB_ID", "")
+    if not job_id:
+        raise ConfigError("`slurmft agent batch` runs inside a Slurm batch job (no SLURM_JOB_ID)")
+    client = CliSlurmClient(slurm_conf=config["slurm.conf"] or None,
+                            timeout_s=config["slurm.command_timeout_s"])
+    host = store_host or socket.gethostbyname(socket.gethostname())
+    step = BatchStep(spec, client, job_id, host)
+    signal.signal(signal.SIGUSR1, lambda *_: step.request_save_and_requeue())
+    raise typer.Exit(int(step.run()))

@@ -1,0 +1,206 @@
+"""The batch step's plan (pure): the job script, the agent step's srun line, and what to do when
+an agent step ends. Effects live in batch_step.py.
+
+Facts behind the flags (../shared/notes/local-slurm.md):
+- `srun --no-kill`: without it Slurm kills every agent of the step when it marks a dead node
+  DOWN, which at a real site (SlurmdTimeout 300 s) is minutes after the spare took over.
+- `--kill-on-bad-exit=0`: a site's KillOnBadExit=1 would end the step when one agent leaves.
+- explicit `-N/-n` and `--immediate`: in a job shrunk by a node loss, `srun -N <old count>`
+  waits forever ("Requested nodes are busy").
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from enum import IntEnum
+from pathlib import Path
+
+from slurmft.slurm.api import NodeInfo, SubmitRequest
+from slurmft.slurm.hostlist import compress
+from slurmft.slurm.script import render_batch_script
+
+STATE_FILE = "slurmft-batch-state.json"
+SRUN_IMMEDIATE_S = 60
+
+
+class BatchExit(IntEnum):
+    """What the batch step's exit code tells the controller."""
+
+    FINISHED = 0  # training ended with success
+    GIVE_UP = 3  # the restart budget is spent: a crash loop, stop the run
+    REQUEUE = 4  # fewer than N usable nodes (or time is up): requeue me (tried myself first)
+
+
+@dataclass(frozen=True)
+class BatchSpec:
+    """One run's allocation: N training nodes + S spares, and the user's training command."""
+
+    run_id: str
+    nodes: int
+    spares: int
+    script: tuple[str, ...]  # after torchrun's flags: ("train.py", ...) or ("-m", "pkg", ...)
+    ckpt_dir: str  # progress is a newer checkpoint here; the budget lives here across requeues
+    store_port: int = 29400
+    nproc_per_node: int = 1
+    max_restarts_without_progress: int = 5
+    save_timeout_s: float = 120.0  # time limit: how long ranks get to save before the requeue
+    slurmft: str = "slurmft"  # the slurmft executable on the compute nodes
+    token_file: str = ""
+
+    def agent_argv(self, store_host: str) -> list[str]:
+        argv = [
+            self.slurmft, "agent", "run",
+            f"--nodes={self.nodes}",
+            f"--nproc-per-node={self.nproc_per_node}",
+            f"--rdzv-endpoint={store_host}:{self.store_port}",
+            f"--run-id={self.run_id}",
+        ]
+        if self.token_file:
+            argv.append(f"--token-file={self.token_file}")
+        return [*argv, "--", *self.script]
+
+    def batch_argv(self) -> list[str]:
+        """The batch script's one command: `slurmft agent batch ...`."""
+        argv = [
+            self.slurmft, "agent", "batch",
+            f"--run-id={self.run_id}",
+            f"--nodes={self.nodes}",
+            f"--spares={self.spares}",
+            f"--ckpt-dir={self.ckpt_dir}",
+            f"--store-port={self.store_port}",
+            f"--nproc-per-node={self.nproc_per_node}",
+            f"--max-restarts-without-progress={self.max_restarts_without_progress}",
+            f"--save-timeout-s={self.save_timeout_s:g}",
+        ]
+        if self.token_file:
+            argv.append(f"--token-file={self.token_file}")
+        return [*argv, "--", *self.script]
+
+
+def job_script(spec: BatchSpec, env: dict[str, str] | None = None) -> str:
+    return render_batch_script(spec.batch_argv(), env=env)
+
+
+def submit_request(
+    spec: BatchSpec, *, job_name: str, time_limit: str | None = None, save_lead_s: int = 300,
+    exclude: Sequence[str] = (), partition: str | None = None, output: str | None = None,
+) -> SubmitRequest:
+    """`--no-kill --requeue`, and USR1 to the batch shell `save_lead_s` before the time limit."""
+    return SubmitRequest(
+        script=job_script(spec),
+        job_name=job_name,
+        run_id=spec.run_id,
+        nodes=spec.nodes,
+        spare_nodes=spec.spares,
+        no_kill=True,
+        requeue=True,
+        exclude=tuple(exclude),
+        signal=f"B:USR1@{save_lead_s}" if time_limit else None,
+        time_limit=time_limit,
+        partition=partition,
+        output=output,
+    )
+
+
+def srun_argv(nodes: Sequence[str], agent_argv: Sequence[str]) -> list[str]:
+    """One agent per node, on exactly these nodes."""
+    count = len(nodes)
+    return [
+        "srun",
+        "--no-kill",
+        "--kill-on-bad-exit=0",
+        f"--nodes={count}",
+        f"--ntasks={count}",
+        "--ntasks-per-node=1",
+        f"--nodelist={compress(nodes)}",
+        f"--immediate={SRUN_IMMEDIATE_S}",
+        *agent_argv,
+    ]
+
+
+def usable_nodes(
+    job_nodes: Sequence[str], info: dict[str, NodeInfo], cordoned: Sequence[str] = ()
+) -> list[str]:
+    """The job's nodes that may run an agent: held by the job now, not lost or draining, not
+    cordoned for this run."""
+    found = []
+    for name in job_nodes:
+        node = info.get(name)
+        if node is None or node.status.lost or node.status.drain_requested:
+            continue
+        if name not in cordoned:
+            found.append(name)
+    return found
+
+
+# --- the restart budget, kept in the checkpoint directory across requeues ---------------------
+
+
+@dataclass
+class BudgetState:
+    restarts_without_progress: int = 0
+    last_checkpoint: str = ""
+    step_launches: int = 0
+    requeues: int = 0
+    history: list[str] = field(default_factory=list)
+
+    @classmethod
+    def load(cls, ckpt_dir: str) -> BudgetState:
+        path = Path(ckpt_dir) / STATE_FILE
+        try:
+            return cls(**json.loads(path.read_text()))
+        except FileNotFoundError:
+            return cls()
+
+    def save(self, ckpt_dir: str) -> None:
+        path = Path(ckpt_dir) / STATE_FILE
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(".tmp")
+        partial.write_text(json.dumps(asdict(self), indent=1))
+        os.replace(partial, path)  # a batch host killed mid-write leaves the old state
+
+
+def newest_checkpoint(ckpt_dir: str) -> str:
+    """The newest published checkpoint directory's name (slurmft.train: `step-<9 digits>`)."""
+    try:
+        names = [p.name for p in Path(ckpt_dir).iterdir() if p.name.startswith("step-")]
+    except FileNotFoundError:
+        return ""
+    return max(names, default="")
+
+
+class Move(IntEnum):
+    FINISH = 0
+    RELAUNCH = 1
+    REQUEUE = 2
+    GIVE_UP = 3
+
+
+@dataclass(frozen=True)
+class Decision:
+    move: Move
+    reason: str
+    nodes: tuple[str, ...] = ()
+
+
+def after_step(
+    returncode: int, usable: Sequence[str], spec: BatchSpec, state: BudgetState, checkpoint: str
+) -> Decision:
+    """What follows an agent step that ended with `returncode`; updates the budget in `state`."""
+    if returncode == 0:
+        return Decision(Move.FINISH, "training finished")
+    if checkpoint > state.last_checkpoint:
+        state.restarts_without_progress = 0  # progress since the last launch: a fresh budget
+    else:
+        state.restarts_without_progress += 1
+    state.last_checkpoint = max(checkpoint, state.last_checkpoint)
+    cap = spec.max_restarts_without_progress
+    if state.restarts_without_progress >= cap:
+        return Decision(Move.GIVE_UP, f"{cap} restarts in a row without a newer checkpoint")
+    if len(usable) < spec.nodes:
+        return Decision(Move.REQUEUE, f"{len(usable)} usable nodes, {spec.nodes} needed")
+    return Decision(Move.RELAUNCH, f"agent step ended with {returncode}: relaunch on "
+                    f"{len(usable)} nodes", tuple(usable))

@@ -1,0 +1,154 @@
+"""The batch step (node 0 of the allocation): hosts the rendezvous store, runs the agent step,
+relaunches it on the usable nodes, requeues the job, and keeps the restart budget.
+
+It works without the controller: the budget ("restarts in a row without a newer checkpoint")
+lives in the checkpoint directory, so it survives requeues. On USR1 (`--signal=B:USR1@T`, which
+reaches only this batch shell) it forwards USR1 to the agent step (srun passes it to every agent,
+each agent asks its ranks to save), waits for the newer checkpoint, and requeues its own job (an
+owner may requeue their job; no privilege needed). A time-limit requeue does not use the budget.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Sequence
+
+from slurmft.agent.batch import (
+    BatchExit,
+    BatchSpec,
+    BudgetState,
+    Move,
+    after_step,
+    newest_checkpoint,
+    srun_argv,
+    usable_nodes,
+)
+from slurmft.agent.store import StoreSupervisor
+from slurmft.slurm.api import SlurmClient, SlurmError
+
+log = logging.getLogger("slurmft.batch")
+
+
+class BatchStep:
+    def __init__(
+        self,
+        spec: BatchSpec,
+        client: SlurmClient,
+        job_id: str,
+        store_host: str,
+        *,
+        poll_s: float = 5.0,
+        stop_grace_s: float = 20.0,
+    ):
+        self.spec, self.client, self.job_id = spec, client, job_id
+        self.store_host = store_host
+        self.poll_s, self.stop_grace_s = poll_s, stop_grace_s
+        self.state = BudgetState.load(spec.ckpt_dir)
+        self.save_requested = threading.Event()
+
+    def request_save_and_requeue(self) -> None:
+        """The USR1 handler: only sets a flag; the loop does the work."""
+        self.save_requested.set()
+
+    def usable(self) -> list[str]:
+        job = self.client.job(self.job_id)
+        # A --no-kill job shrinks when a node dies; SLURM_JOB_NODELIST is not updated.
+        return usable_nodes(job.nodes, self.client.nodes(job.nodes))
+
+    def run(self) -> BatchExit:
+        supervisor = StoreSupervisor(self.store_host, self.spec.store_port).start()
+        try:
+            return self._loop()
+        finally:
+            supervisor.stop()
+
+    def _loop(self) -> BatchExit:
+        nodes = self.usable()
+        if len(nodes) < self.spec.nodes:
+            return self._requeue(f"{len(nodes)} usable nodes, {self.spec.nodes} needed")
+        while True:
+            self.state.step_launches += 1
+            self.state.save(self.spec.ckpt_dir)
+            log.info("agent step %d on %s", self.state.step_launches, ",".join(nodes))
+            returncode = self._run_step(nodes)
+            if self.save_requested.is_set():
+                return self._save_and_requeue_done()
+            decision = after_step(returncode, self.usable(), self.spec, self.state,
+                                  newest_checkpoint(self.spec.ckpt_dir))
+            self.state.history.append(decision.reason)
+            self.state.save(self.spec.ckpt_dir)
+            log.info("%s", decision.reason)
+            if decision.move is Move.FINISH:
+                return BatchExit.FINISHED
+            if decision.move is Move.GIVE_UP:
+                return BatchExit.GIVE_UP
+            if decision.move is Move.REQUEUE:
+                return self._requeue(decision.reason)
+            nodes = list(decision.nodes)
+
+    def _run_step(self, nodes: Sequence[str]) -> int:
+        argv = srun_argv(nodes, self.spec.agent_argv(self.store_host))
+        step = subprocess.Popen(argv)
+        next_check = time.monotonic() + self.poll_s
+        while step.poll() is None:
+            if self.save_requested.is_set():
+                self._coordinated_save(step)
+                return self._stop(step)
+            if time.monotonic() >= next_check:
+                next_check = time.monotonic() + self.poll_s
+                if self._step_cannot_recover(nodes):
+                    return self._stop(step)
+            time.sleep(0.2)
+        return int(step.returncode)
+
+    def _step_cannot_recover(self, nodes: Sequence[str]) -> bool:
+        """Fewer than N of the step's nodes left: the survivors would wait out the rendezvous
+        timeout for a node that is gone; end the step and relaunch on what is usable now."""
+        try:
+            alive = set(self.usable()) & set(nodes)
+        except SlurmError as error:
+            log.warning("Slurm unreachable (%s): keeping the agent step", error)
+            return False
+        if len(alive) < self.spec.nodes:
+            log.warning("only %d of the step's nodes left (%d needed): ending the step",
+                        len(alive), self.spec.nodes)
+            return True
+        return False
+
+    def _stop(self, step: subprocess.Popen[bytes]) -> int:
+        step.send_signal(signal.SIGTERM)  # srun forwards it: the agents stop their workers
+        try:
+            return int(step.wait(timeout=self.stop_grace_s))
+        except subprocess.TimeoutExpired:
+            step.kill()
+            return int(step.wait(timeout=30))
+
+    def _coordinated_save(self, step: subprocess.Popen[bytes]) -> None:
+        before = newest_checkpoint(self.spec.ckpt_dir)
+        step.send_signal(signal.SIGUSR1)  # srun forwards USR1 to every agent
+        deadline = time.monotonic() + self.spec.save_timeout_s
+        while time.monotonic() < deadline and newest_checkpoint(self.spec.ckpt_dir) <= before:
+            if step.poll() is not None:
+                break
+            time.sleep(0.5)
+        saved = newest_checkpoint(self.spec.ckpt_dir)
+        log.info("coordinated save: %s", saved if saved > before else "none in time")
+
+    def _save_and_requeue_done(self) -> BatchExit:
+        self.state.history.append("time limit: saved and requeued")
+        self.state.save(self.spec.ckpt_dir)  # the budget is untouched: time limits are expected
+        return self._requeue("time limit or preemption")
+
+    def _requeue(self, reason: str) -> BatchExit:
+        self.state.requeues += 1
+        self.state.save(self.spec.ckpt_dir)
+        log.warning("requeueing job %s: %s", self.job_id, reason)
+        try:
+            self.client.requeue(self.job_id)
+        except SlurmError as error:
+            log.error("requeue failed (%s): the controller must requeue", error)
+        return BatchExit.REQUEUE

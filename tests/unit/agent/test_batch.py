@@ -1,0 +1,107 @@
+"""The batch step's plan: job script (golden), agent step srun line, budget and next move."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from slurmft.agent.batch import (
+    BatchSpec,
+    BudgetState,
+    Move,
+    after_step,
+    job_script,
+    newest_checkpoint,
+    srun_argv,
+    submit_request,
+    usable_nodes,
+)
+from slurmft.slurm.api import NodeInfo
+from slurmft.slurm.commands import submit_argv
+from slurmft.slurm.states import parse_node_state
+
+GOLDEN = Path(__file__).parent / "golden" / "batch_script.sh"
+SPEC = BatchSpec(
+    run_id="r0a1b2c3",
+    nodes=3,
+    spares=1,
+    script=("-m", "pkg.train", "--lr", "0.1", "--name", "it's $(rm -rf ~)"),
+    ckpt_dir="/shared/ckpt/r0a1b2c3",
+    slurmft="/opt/slurmft/bin/slurmft",
+    token_file="/home/u/.slurmft/r0a1b2c3.token",
+)
+
+
+def test_job_script_matches_the_golden_file() -> None:
+    text = job_script(SPEC)
+    if os.environ.get("SLURMFT_TEST_UPDATE_GOLDEN"):
+        GOLDEN.write_text(text)
+    assert text == GOLDEN.read_text()
+
+
+def test_sbatch_line_asks_for_n_plus_s_no_kill_requeue_and_usr1_before_the_limit() -> None:
+    argv = submit_argv(submit_request(SPEC, job_name="slurmft-demo", time_limit="2:00:00",
+                                      save_lead_s=300))
+    assert "--nodes=4" in argv and "--no-kill" in argv and "--requeue" in argv
+    assert "--signal=B:USR1@300" in argv and "--time=2:00:00" in argv
+
+
+def test_agent_step_srun_line() -> None:
+    argv = srun_argv(["n1", "n2", "n3", "n5"], SPEC.agent_argv("10.0.0.1"))
+    assert argv == [
+        "srun", "--no-kill", "--kill-on-bad-exit=0", "--nodes=4", "--ntasks=4",
+        "--ntasks-per-node=1", "--nodelist=n[1-3,5]", "--immediate=60",
+        "/opt/slurmft/bin/slurmft", "agent", "run", "--nodes=3", "--nproc-per-node=1",
+        "--rdzv-endpoint=10.0.0.1:29400", "--run-id=r0a1b2c3",
+        "--token-file=/home/u/.slurmft/r0a1b2c3.token",
+        "--", "-m", "pkg.train", "--lr", "0.1", "--name", "it's $(rm -rf ~)",
+    ]
+
+
+def node(name: str, state: str) -> NodeInfo:
+    return NodeInfo(name, parse_node_state(state))
+
+
+def test_usable_nodes_leave_out_lost_draining_and_cordoned() -> None:
+    info = {n.name: n for n in [node("n1", "ALLOCATED"), node("n2", "DOWN*"),
+                                node("n3", "MIXED+DRAIN"), node("n4", "ALLOCATED*"),
+                                node("n5", "ALLOCATED"), node("n6", "ALLOCATED")]}
+    nodes = ["n1", "n2", "n3", "n4", "n5", "n6", "n7"]
+    assert usable_nodes(nodes, info, cordoned=["n6"]) == ["n1", "n5"]
+
+
+@pytest.mark.parametrize(
+    ("returncode", "usable", "checkpoint", "no_progress_before", "move", "no_progress_after"),
+    [
+        (0, ["n1"], "", 4, Move.FINISH, 4),
+        (1, ["n1", "n2", "n3"], "step-000000010", 4, Move.RELAUNCH, 0),  # progress: fresh budget
+        (1, ["n1", "n2", "n3"], "step-000000005", 3, Move.RELAUNCH, 4),
+        (1, ["n1", "n2", "n3"], "step-000000005", 4, Move.GIVE_UP, 5),
+        (1, ["n1", "n2"], "step-000000010", 0, Move.REQUEUE, 0),
+    ],
+)
+def test_after_step(  # noqa: PLR0917 (one parameter per table column)
+    returncode: int, usable: list[str], checkpoint: str,
+    no_progress_before: int, move: Move, no_progress_after: int,
+) -> None:
+    state = BudgetState(restarts_without_progress=no_progress_before,
+                        last_checkpoint="step-000000005")
+    decision = after_step(returncode, usable, SPEC, state, checkpoint)
+    assert decision.move is move, decision.reason
+    assert state.restarts_without_progress == no_progress_after
+    if move is Move.RELAUNCH:
+        assert decision.nodes == tuple(usable)
+
+
+def test_budget_survives_a_requeue_in_the_checkpoint_directory(tmp_path: Path) -> None:
+    assert BudgetState.load(str(tmp_path)) == BudgetState()
+    state = BudgetState(restarts_without_progress=2, last_checkpoint="step-000000015",
+                        step_launches=3, requeues=1, history=["a"])
+    state.save(str(tmp_path))
+    assert BudgetState.load(str(tmp_path)) == state
+    (tmp_path / "step-000000015").mkdir()
+    (tmp_path / "step-000000020").mkdir()
+    (tmp_path / ".staging-step-000000025").mkdir()
+    assert newest_checkpoint(str(tmp_path)) == "step-000000020"
