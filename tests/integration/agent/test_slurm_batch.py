@@ -1,0 +1,199 @@
+"""The batch script on a real Slurm cluster (its own 4 nodes, so killing one disturbs no one).
+
+A node kill: the spare takes over inside the same Slurm step (the step id does not change), and
+the surviving agents live on when Slurm marks the dead node DOWN (srun --no-kill). A dead
+rendezvous store: every agent exits, the batch step relaunches the agent step on the healthy
+nodes, and training resumes from the last checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from agent_cluster import wait_for
+
+from slurmft.agent.batch import BatchSpec, submit_request
+from slurmft.slurm.cli_backend import CliSlurmClient
+
+pytestmark = [pytest.mark.slurm, pytest.mark.torch]
+
+REPO = Path(__file__).resolve().parents[3]
+CLUSTER_SCRIPT = REPO / "scripts" / "slurm-cluster"
+SLURMFT = str(Path(sys.executable).parent / "slurmft")
+TINY_ARGS = ["--steps", "60", "--ckpt-every", "5", "--work-ms", "150",
+             "--heartbeat-interval-s", "1", "--pg-timeout-s", "30"]
+
+
+@dataclasses.dataclass
+class Cluster:
+    root: str
+    conf: str
+    client: CliSlurmClient
+
+    def run(self, *args: str) -> str:
+        env = {**os.environ, "SLURMFT_CLUSTER_ROOT": self.root, "SLURM_CONF": self.conf}
+        done = subprocess.run([str(CLUSTER_SCRIPT), *args], env=env, capture_output=True,
+                              text=True, timeout=120, check=True)
+        return done.stdout
+
+    def squeue(self, *args: str) -> str:
+        env = {**os.environ, "SLURM_CONF": self.conf}
+        return subprocess.run(["squeue", "-h", *args], env=env, capture_output=True, text=True,
+                              timeout=30, check=True).stdout
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Cluster]:
+    root = tempfile.mkdtemp(prefix="sftc-")  # short: munge and slurmd sockets live under it
+    os.chmod(root, 0o755)  # munged runs as its own user
+    env = {**os.environ, "SLURMFT_CLUSTER_ROOT": root, "SLURMFT_CLUSTER_NODES": "4"}
+    up = subprocess.run([str(CLUSTER_SCRIPT), "up"], env=env, capture_output=True, text=True,
+                        timeout=300, check=False)
+    assert up.returncode == 0, up.stderr
+    conf = up.stdout.strip().split("=", 1)[1]
+    cluster = Cluster(root, conf, CliSlurmClient(slurm_conf=conf))
+    try:
+        yield cluster
+    finally:
+        subprocess.run([str(CLUSTER_SCRIPT), "down"], env=env, capture_output=True, timeout=120,
+                       check=False)
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@dataclasses.dataclass
+class Job:
+    job_id: str
+    workdir: Path
+
+    def records(self) -> list[dict[str, Any]]:
+        path = self.workdir / "out" / "losses.jsonl"
+        return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+    def events(self, name: str) -> list[dict[str, Any]]:
+        path = self.workdir / "out" / "events.jsonl"
+        found = [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+        return [e for e in found if e["event"] == name]
+
+    def output(self) -> str:
+        return "\n".join(p.read_text(errors="replace") for p in self.workdir.glob("job-*.out"))
+
+
+def submit(cluster: Cluster, workdir: Path, port: int) -> Job:
+    ckpt = str(workdir / "ckpt")
+    script = ("-m", "slurmft.train.examples.tiny", "--ckpt-dir", ckpt,
+              "--out-dir", str(workdir / "out"), *TINY_ARGS)
+    spec = BatchSpec(run_id=f"t{port}", nodes=3, spares=1, script=script, ckpt_dir=ckpt,
+                     store_port=port, slurmft=SLURMFT)
+    request = dataclasses.replace(
+        submit_request(spec, job_name="slurmft-agent-test",
+                       output=str(workdir / "job-%j.out")),
+        ntasks_per_node=1,
+        cpus_per_task=1,
+    )
+    return Job(cluster.client.submit(request), workdir)
+
+
+def workers_on(cluster: Cluster, step: str, node: str) -> int:
+    """Training worker processes of `step` on `node` (an agent, its launcher, then workers)."""
+    env = {**os.environ, "SLURM_CONF": cluster.conf}
+    listed = subprocess.run(["scontrol", "listpids", step, node], env=env, capture_output=True,
+                            text=True, timeout=30, check=False).stdout.split("\n")[1:]
+    count = 0
+    for line in listed:
+        pid = line.split()[0] if line.split() else ""
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except (OSError, ValueError):
+            continue
+        if b"slurmft.train.examples.tiny" in cmdline[1:4]:  # python [-u] -m <the script>
+            count += 1
+    return count
+
+
+def steps_of(cluster: Cluster, job: Job) -> list[str]:
+    return sorted(s for s in cluster.squeue("-s", "-j", job.job_id, "-o", "%i").split()
+                  if not s.endswith(".batch"))
+
+
+def assert_replays_match(job: Job) -> None:
+    """Steps computed twice (before a failure and after the resume) gave the same loss."""
+    seen: dict[int, float] = {}
+    for record in job.records():
+        assert record["world_size"] == 3
+        if record["step"] in seen:
+            assert record["loss"] == pytest.approx(seen[record["step"]], rel=1e-5), record
+        seen[record["step"]] = record["loss"]
+    assert sorted(seen) == list(range(1, 61))
+
+
+def test_node_kill_spare_takes_over_inside_the_same_step(cluster: Cluster, tmp_path: Path,
+                                                         free_port: int) -> None:
+    job = submit(cluster, tmp_path, free_port)
+    killed: list[str] = []
+    try:
+        wait_for(lambda: any(r["step"] >= 12 for r in job.records()), 180,
+                 f"training under Slurm\n{job.output()[-3000:]}")
+        (step,) = steps_of(cluster, job)
+        active = [n for n in ("n2", "n3", "n4") if workers_on(cluster, step, n)]
+        spare = ({"n2", "n3", "n4"} - set(active)).pop()
+        cluster.run("kill-node", active[0])
+        killed.append(active[0])
+        wait_for(lambda: workers_on(cluster, step, spare), 120,
+                 f"the spare {spare} to train\n{job.output()[-3000:]}")
+        assert steps_of(cluster, job) == [step]  # the same step: no relaunch was needed
+        wait_for(lambda: active[0] not in cluster.client.job(job.job_id).nodes, 60,
+                 "Slurm to mark the node DOWN and shrink the job")
+        wait_for(lambda: job.events("done"), 180, f"the end\n{job.output()[-3000:]}")
+        assert steps_of(cluster, job) in ([step], [])  # survivors were not killed by the DOWN
+        assert "agent step 2" not in job.output()
+        assert_replays_match(job)
+    finally:
+        cluster.client.cancel(job.job_id)
+        for node in killed:
+            cluster.run("revive", node)
+
+
+def test_dead_store_the_batch_step_relaunches_the_agent_step(cluster: Cluster, tmp_path: Path,
+                                                              free_port: int) -> None:
+    job = submit(cluster, tmp_path, free_port)
+    try:
+        wait_for(lambda: any(r["step"] >= 12 for r in job.records()), 180,
+                 f"training under Slurm\n{job.output()[-3000:]}")
+        store = _store_server_pid(free_port)
+        os.kill(store, signal.SIGKILL)  # the supervisor restarts it; the agents lose their state
+        wait_for(lambda: "agent step 2" in job.output(), 120,
+                 f"a relaunched agent step\n{job.output()[-3000:]}")
+        wait_for(lambda: job.events("done"), 240, f"the end\n{job.output()[-3000:]}")
+        assert job.events("resumed")
+        assert_replays_match(job)
+    finally:
+        cluster.client.cancel(job.job_id)
+
+
+def _store_server_pid(port: int) -> int:
+    for proc in Path("/proc").iterdir():
+        try:
+            cmdline = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"slurmft.agent.store" in cmdline and str(port).encode() in cmdline:
+            return int(proc.name)
+    raise AssertionError(f"no store server on port {port}")
+
+
+@pytest.fixture
+def free_port() -> int:
+    from agent_cluster import free_port as pick
+
+    return pick()
