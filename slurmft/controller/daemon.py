@@ -144,7 +144,13 @@ class Daemon:
         """The main loop's step: a control pass, then the liveness the watchdog and /healthz
         read, then READY after the first pass that reached Slurm."""
         started = time.monotonic()
-        self.control_pass()
+        try:
+            self.control_pass()
+        except Exception:
+            # APScheduler logs the traceback. The loop's clock is not advanced: a pass that fails
+            # every time ends in a stuck verdict (red /healthz, a restart by the watchdog).
+            self.metrics.control_passes.labels("error").inc()
+            raise
         self.metrics.control_pass_duration.observe(time.monotonic() - started)
         self.metrics.control_passes.labels(
             f"skipped_{self.skipped_because}" if self.skipped_because else "completed"

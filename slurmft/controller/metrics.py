@@ -81,8 +81,8 @@ class DaemonMetrics:
         )
         self.control_passes = Counter(
             "slurmft_control_passes_total",
-            "Control passes by outcome: completed, or skipped because Slurm or the store was "
-            "unreachable.",
+            "Control passes by outcome: completed, skipped because Slurm or the store was "
+            "unreachable, or error (an unexpected exception).",
             ["outcome"],
             registry=r,
         )
