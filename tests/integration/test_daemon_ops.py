@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import socket
+import statistics
 import threading
 import time
 import urllib.error
@@ -150,7 +151,10 @@ def test_ready_after_the_first_slurm_poll_then_watchdog_pings_then_stopping(
     pings = [m for m in systemd.drain(1.0) if m.text == "WATCHDOG=1"]
     assert len(pings) >= 3
     gaps = [b.at - a.at for a, b in itertools.pairwise(pings)]
-    assert max(gaps) < WATCHDOG_USEC / 1e6 / 2, gaps  # under half of WATCHDOG_USEC
+    # The cadence is under half of WATCHDOG_USEC; systemd itself only minds a gap of all of it
+    # (a loaded test machine may delay one ping a little).
+    assert statistics.median(gaps) < WATCHDOG_USEC / 1e6 / 2, gaps
+    assert max(gaps) < WATCHDOG_USEC / 1e6, gaps
     daemon.stop()
     stopping = systemd.receive_until("STOPPING=1", timeout_s=2)
     print(
