@@ -13,6 +13,7 @@ from slurmft.errors import SlurmftError
 from slurmft.report.steps import StepPicture
 
 FLAG_COLOURS = {"straggler": "tab:red", "hang": "tab:orange"}
+MISSING_COLOUR = "#d9d9d9"
 DPI = 100
 
 
@@ -50,11 +51,13 @@ def render(picture: StepPicture, out: Path, *, threshold: float | None = None) -
         gridspec_kw={"height_ratios": [height_in, 2.5]},
     )
     data = np.ma.masked_invalid(np.array(picture.compute_s, dtype=float))
+    # Steps a rank never finished (hung, gone, not started yet) are light grey holes.
+    cmap = plt.get_cmap("viridis").with_extremes(bad=MISSING_COLOUR)
     image = heat.imshow(
         data,
         aspect="auto",
         interpolation="nearest",
-        cmap="viridis",
+        cmap=cmap,
         extent=(-0.5, width - 0.5, rows - 0.5, -0.5),
     )
     # One colour bar for both panels keeps their step axes the same width, aligned.

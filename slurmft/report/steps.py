@@ -5,7 +5,8 @@ Own compute time (``compute_s``, without collective wait) is what shows a stragg
 *waits* as long as the slowest one, but only the slow rank *computes* longer. Raw ``step_times``
 give one value per rank and step; older steps, folded by retention, come from
 ``step_time_minutes`` (the minute's median stands for each of its steps). A long run is binned
-into at most ``max_columns`` step ranges, each the mean of its steps.
+into at most ``max_columns`` step ranges, each the mean of its steps, by the database. A step run
+twice (re-run from a checkpoint after a restart) counts with both of its runs.
 
 Everything here is plain data (``StepPicture.to_json``); plotting is a separate, optional module.
 """
@@ -19,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from slurmft.db.models import (
@@ -82,37 +83,31 @@ class StepPicture:
         return data
 
 
-@dataclass(frozen=True)
-class _Span:
-    """A run of steps with one compute value: one raw step, or a folded minute."""
-
-    rank: int
-    first: int
-    last: int
-    compute_s: float
-
-
 def load_step_picture(
     session: Session, run_id: str, *, max_columns: int = DEFAULT_MAX_COLUMNS
 ) -> StepPicture:
     if session.get(Run, run_id) is None:
         raise NoStepTimes(f"no run {run_id!r} in the store (see `slurmft runs`)")
-    spans, times = _spans_and_step_times(session, run_id)
-    if not spans:
+    bounds = _step_bounds(session, run_id)
+    if bounds is None:
         raise NoStepTimes(
             f"run {run_id} has no step times: its script does not use slurmft.train's step "
             f"timer, or nothing has been reported yet"
         )
-    ranks = sorted({s.rank for s in spans})
-    columns = _columns(min(s.first for s in spans), max(s.last for s in spans), max_columns)
-    matrix = _bin(spans, ranks, columns)
+    columns = _columns(*bounds, max_columns)
+    cells = _binned_compute(session, run_id, columns)
+    ranks = sorted({rank for rank, _ in cells})
+    row_of = {rank: i for i, rank in enumerate(ranks)}
+    matrix: list[list[float | None]] = [[None] * len(columns) for _ in ranks]
+    for (rank, col), (total, steps) in cells.items():
+        matrix[row_of[rank]][col] = total / steps
     median, low, high = _across_ranks(matrix, len(columns))
     nodes = dict(
         session.execute(
             select(RankHeartbeat.rank, RankHeartbeat.node).where(RankHeartbeat.run_id == run_id)
         ).all()
     )
-    placer = _StepPlacer(times, columns)
+    placer = _StepPlacer(session, run_id, columns)
     return StepPicture(
         run_id=run_id,
         ranks=ranks,
@@ -128,36 +123,18 @@ def load_step_picture(
     )
 
 
-def _spans_and_step_times(
-    session: Session, run_id: str
-) -> tuple[list[_Span], list[tuple[datetime, int]]]:
-    """Spans of compute time, and (time, step) pairs that place marks on the step axis."""
-    latest: dict[tuple[int, int], float] = {}
-    step_ended: dict[int, datetime] = {}
-    # A step re-run after a restart appears twice: the later time is the one that counts.
-    rows = session.execute(
-        select(StepTime.rank, StepTime.step, StepTime.compute_s, StepTime.ended_at)
-        .where(StepTime.run_id == run_id)
-        .order_by(StepTime.ended_at)
-    )
-    for rank, step, compute_s, ended_at in rows:
-        latest[(rank, step)] = compute_s
-        step_ended.setdefault(step, ended_at)
-    spans = [_Span(rank, step, step, value) for (rank, step), value in latest.items()]
-    minutes = session.execute(
-        select(
-            StepTimeMinute.rank,
-            StepTimeMinute.first_step,
-            StepTimeMinute.last_step,
-            StepTimeMinute.compute_median_s,
-            StepTimeMinute.minute,
-        ).where(StepTimeMinute.run_id == run_id)
-    )
-    for rank, first, last, median_s, minute in minutes:
-        spans.append(_Span(rank, first, last, median_s))
-        step_ended.setdefault(first, minute)
-    times = sorted((at, step) for step, at in step_ended.items())
-    return spans, times
+def _step_bounds(session: Session, run_id: str) -> tuple[int, int] | None:
+    raw = session.execute(
+        select(func.min(StepTime.step), func.max(StepTime.step)).where(StepTime.run_id == run_id)
+    ).one()
+    folded = session.execute(
+        select(func.min(StepTimeMinute.first_step), func.max(StepTimeMinute.last_step)).where(
+            StepTimeMinute.run_id == run_id
+        )
+    ).one()
+    firsts = [v for v in (raw[0], folded[0]) if v is not None]
+    lasts = [v for v in (raw[1], folded[1]) if v is not None]
+    return (min(firsts), max(lasts)) if firsts else None
 
 
 def _columns(first: int, last: int, max_columns: int) -> list[tuple[int, int]]:
@@ -165,24 +142,45 @@ def _columns(first: int, last: int, max_columns: int) -> list[tuple[int, int]]:
     return [(s, min(s + width - 1, last)) for s in range(first, last + 1, width)]
 
 
-def _bin(
-    spans: list[_Span], ranks: list[int], columns: list[tuple[int, int]]
-) -> list[list[float | None]]:
-    """Mean compute time per rank and column, each span weighted by the steps it covers there."""
+def _binned_compute(
+    session: Session, run_id: str, columns: list[tuple[int, int]]
+) -> dict[tuple[int, int], list[float]]:
+    """(rank, column) -> [compute seconds summed, steps], binned by the database: a long run
+    at 16k ranks has billions of raw rows, and only ranks x columns numbers leave the store."""
     first, width = columns[0][0], columns[0][1] - columns[0][0] + 1
-    row_of = {rank: i for i, rank in enumerate(ranks)}
-    weighted: dict[tuple[int, int], list[float]] = defaultdict(lambda: [0.0, 0.0])
-    for span in spans:
-        for col in range((span.first - first) // width, (span.last - first) // width + 1):
-            lo, hi = columns[col]
-            steps = min(hi, span.last) - max(lo, span.first) + 1
-            cell = weighted[(row_of[span.rank], col)]
-            cell[0] += span.compute_s * steps
-            cell[1] += steps
-    matrix: list[list[float | None]] = [[None] * len(columns) for _ in ranks]
-    for (row, col), (total, steps) in weighted.items():
-        matrix[row][col] = total / steps
-    return matrix
+    cells: dict[tuple[int, int], list[float]] = defaultdict(lambda: [0.0, 0.0])
+    col = ((StepTime.step - first) // width).label("col")
+    raw = session.execute(
+        select(StepTime.rank, col, func.sum(StepTime.compute_s), func.count())
+        .where(StepTime.run_id == run_id)
+        .group_by(StepTime.rank, col)
+    )
+    for rank, column, total, steps in raw:
+        cell = cells[(rank, int(column))]
+        cell[0] += float(total)
+        cell[1] += steps
+    # A folded minute covers many steps, maybe several columns: its median stands for each step,
+    # spread evenly over the columns it covers.
+    first_col = ((StepTimeMinute.first_step - first) // width).label("first_col")
+    last_col = ((StepTimeMinute.last_step - first) // width).label("last_col")
+    folded = session.execute(
+        select(
+            StepTimeMinute.rank,
+            first_col,
+            last_col,
+            func.sum(StepTimeMinute.compute_median_s * StepTimeMinute.steps),
+            func.sum(StepTimeMinute.steps),
+        )
+        .where(StepTimeMinute.run_id == run_id)
+        .group_by(StepTimeMinute.rank, first_col, last_col)
+    )
+    for rank, c0, c1, total, steps in folded:
+        share = 1 / (int(c1) - int(c0) + 1)
+        for column in range(int(c0), int(c1) + 1):
+            cell = cells[(rank, column)]
+            cell[0] += float(total) * share
+            cell[1] += float(steps) * share
+    return cells
 
 
 def _across_ranks(
@@ -211,19 +209,31 @@ def _slowdown(
 
 
 class _StepPlacer:
-    """Puts a moment on the step axis: the last step that had ended by then."""
+    """Puts a moment on the step axis: the step of the latest step time ended by then (after a
+    restart, steps go back to the checkpoint's). One or two indexed queries per mark."""
 
-    def __init__(self, times: list[tuple[datetime, int]], columns: list[tuple[int, int]]) -> None:
-        self._at = [t for t, _ in times]
-        self._steps = [s for _, s in times]
+    def __init__(self, session: Session, run_id: str, columns: list[tuple[int, int]]) -> None:
+        self._session = session
+        self._run_id = run_id
         self._column_starts = [lo for lo, _ in columns]
 
     def place(self, moment: datetime) -> tuple[int | None, int | None]:
-        i = bisect.bisect_right(self._at, moment) - 1
-        if i < 0:
+        step = self._session.scalar(
+            select(StepTime.step)
+            .where(StepTime.run_id == self._run_id, StepTime.ended_at <= moment)
+            .order_by(StepTime.ended_at.desc())
+            .limit(1)
+        )
+        if step is None:
+            step = self._session.scalar(
+                select(StepTimeMinute.last_step)
+                .where(StepTimeMinute.run_id == self._run_id, StepTimeMinute.minute <= moment)
+                .order_by(StepTimeMinute.minute.desc())
+                .limit(1)
+            )
+        if step is None:
             return None, None  # before the first step: left of the picture
-        step = self._steps[i]
-        return step, bisect.bisect_right(self._column_starts, step) - 1
+        return step, max(0, bisect.bisect_right(self._column_starts, step) - 1)
 
 
 def _ranks_on(node: str | None, nodes: dict[int, str]) -> tuple[int, ...]:

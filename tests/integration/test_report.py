@@ -206,3 +206,55 @@ def test_a_run_without_step_times_says_why(database: Database, seed_run: Any) ->
     seed_run(database, "plain", job_id="78")
     with database.session() as s, pytest.raises(NoStepTimes, match=r"slurmft\.train"):
         load_step_picture(s, "plain")
+
+
+def test_a_hang_leaves_a_hole_and_a_restart_a_line(store: Database, tmp_path: Path) -> None:
+    """Rank 2 hangs from step 50 (no more step times), is flagged, its workers restart."""
+    import matplotlib.colors
+    import matplotlib.image
+    import numpy as np
+
+    from slurmft.report.plot import MISSING_COLOUR, render
+
+    hung_from = 50
+    with store.session() as s:
+        s.query(StepTime).filter(StepTime.rank == 2, StepTime.step >= hung_from).delete()
+        s.add(
+            Event(
+                run_id="rs",
+                kind=EventKind.HANG,
+                fault_class=FaultClass.HANG,
+                node=_node(2),
+                rank=2,
+                message="rank 2 made no progress in train for 45 s",
+                occurred_at=T0 + timedelta(seconds=55, milliseconds=500),
+            )
+        )
+        s.add(
+            Event(
+                run_id="rs",
+                kind=EventKind.RESTART,
+                node=_node(2),
+                message="workers restarted (restart 1)",
+                source="agent",
+                occurred_at=T0 + timedelta(seconds=57, milliseconds=500),
+            )
+        )
+    with store.session() as s:
+        picture = load_step_picture(s, "rs")
+    assert picture.compute_s[2][hung_from:] == [None] * (STEPS - hung_from)
+    assert picture.flagged_ranks == [2, SLOW_RANK]
+    hang = next(m for m in picture.flags if m.kind == "hang")
+    assert hang.step == 55 and hang.ranks == (2,)
+    restart = next(m for m in picture.actions if m.kind == "restart")
+    assert restart.step == 57
+
+    out = tmp_path / "hang.png"
+    fig = render(picture, out)
+    heat = fig.axes[0]
+    pixels = matplotlib.image.imread(out)[:, :, :3]
+    x, y = heat.transData.transform((hung_from + 2, 2))
+    hole = pixels[round(pixels.shape[0] - y), round(x)]
+    assert np.allclose(hole, matplotlib.colors.to_rgb(MISSING_COLOUR), atol=0.02), hole
+    lines = [line.get_xdata()[0] for line in heat.get_lines() if line.get_linestyle() == ":"]
+    assert restart.column in lines
