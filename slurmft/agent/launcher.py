@@ -12,6 +12,9 @@ wait-list defect cannot trigger.
 from __future__ import annotations
 
 import argparse
+import ctypes
+import os
+import signal
 import sys
 
 from slurmft.agent.exits import AgentExit
@@ -59,7 +62,33 @@ def prepare_rendezvous(wait_list_fix: bool, spare_candidate: bool) -> AgentExit 
     return None
 
 
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """SIGTERM this process (torchrun) when its agent dies, so torchrun stops its workers: an
+    agent killed alone (srun aborting the step, an OOM kill) would otherwise leave them training."""
+    parent = os.getppid()
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        return  # not Linux: no such guard
+    if os.getppid() != parent:  # the agent died before the guard was set
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def survive_rank_signals() -> None:
+    """`scancel --signal=USR1` (and `srun` forwarding) reaches every process of the step under
+    proctrack/linuxproc, torchrun included, whose default action for USR1/USR2 is to die: its
+    workers would then train on as orphans out of Slurm's sight. A Python handler (unlike
+    SIG_IGN) is reset at exec, so the workers still get the default or their own handlers."""
+    for signum in (signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(signum, lambda *_: None)
+
+
 def main(argv: list[str] | None = None) -> int:
+    die_with_parent()
+    survive_rank_signals()
     options, torchrun_args = parse_args(sys.argv[1:] if argv is None else argv)
     refused = prepare_rendezvous(options.wait_list_fix, options.spare_candidate)
     if refused is not None:

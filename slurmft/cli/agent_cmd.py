@@ -114,6 +114,8 @@ def _install_stop_signals(agent: NodeAgent) -> None:
         signal.signal(signum, stop)
     # `scancel --signal=USR1` on the agent step (the batch step's answer to its own USR1).
     signal.signal(signal.SIGUSR1, lambda *_: agent.request_save())
+    # USR2 asks ranks for stacks; a Slurm-delivered one must not end the agent.
+    signal.signal(signal.SIGUSR2, lambda *_: None)
 
 
 @app.command("store")

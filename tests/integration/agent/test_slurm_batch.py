@@ -197,3 +197,31 @@ def free_port() -> int:
     from agent_cluster import free_port as pick
 
     return pick()
+
+
+def test_time_limit_signal_saves_requeues_and_resumes(cluster: Cluster, tmp_path: Path,
+                                                       free_port: int) -> None:
+    """`--signal=B:USR1@T` delivers USR1 to the batch shell only; `scancel --batch` sends the
+    same signal now instead of at the time limit."""
+    job = submit(cluster, tmp_path, free_port)
+    env = {**os.environ, "SLURM_CONF": cluster.conf}
+    try:
+        wait_for(lambda: any(r["step"] >= 12 for r in job.records()), 180,
+                 f"training under Slurm\n{job.output()[-3000:]}")
+        subprocess.run(["scancel", "--batch", "--signal=USR1", job.job_id], env=env,
+                       timeout=30, check=True)
+        (saved,) = wait_for(lambda: job.events("saved")[-1:] if any(
+            e["reason"] == "requested" for e in job.events("saved")) else [], 120,
+            "the coordinated save")
+        wait_for(lambda: cluster.client.job(job.job_id).restarts >= 1, 120, "the requeue")
+        wait_for(lambda: job.events("done"), 300, f"the end\n{job.output()[-3000:]}")
+        (resumed,) = job.events("resumed")
+        # From the requested save (or an interval save the ranks made while being stopped).
+        assert saved["step"] <= resumed["step"] < 60
+        budget = json.loads((tmp_path / "ckpt" / "slurmft-batch-state.json").read_text())
+        assert budget["restarts_without_progress"] == 0  # a time limit is not a crash
+        assert budget["requeues"] == 1
+        assert "time limit: saved and requeued" in budget["history"]
+        assert_replays_match(job)
+    finally:
+        cluster.client.cancel(job.job_id)
