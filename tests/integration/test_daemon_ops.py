@@ -240,3 +240,17 @@ def test_healthz_fails_when_the_store_is_unreachable() -> None:
     assert not health.ok
     assert health.checks["loop"] == "ok" and health.checks["store"] != "ok"
     unreachable.dispose()
+
+
+def test_the_daemon_and_the_cli_load_without_matplotlib() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, slurmft.controller.daemon, slurmft.cli.app\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('matplotlib', 'torch')))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
+    )
+    assert result.stdout.strip() == "[]", result.stdout
