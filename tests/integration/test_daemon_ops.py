@@ -254,3 +254,38 @@ def test_the_daemon_and_the_cli_load_without_matplotlib() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
     )
     assert result.stdout.strip() == "[]", result.stdout
+
+
+def test_store_counts_are_read_at_scrape_time(database: Database, seed_run: Any) -> None:
+    """On SQLite and PostgreSQL: rows written by anyone show at the next scrape; observe-only
+    (skipped) recoveries are not counted, a refused drain is counted as skipped."""
+    from slurmft.controller.metrics import DaemonMetrics
+    from slurmft.db.models import Action, ActionKind, ActionStatus, Event, EventKind
+
+    metrics = DaemonMetrics(database)
+
+    def sample(name: str, **labels: str) -> float | None:
+        return metrics.registry.get_sample_value(name, labels)
+
+    assert sample("slurmft_store_up") == 1
+    assert sample("slurmft_recoveries_total", kind="requeue") == 0
+    seed_run(database, "rc", job_id="5")
+    with database.session() as s:
+        for status in (ActionStatus.DONE, ActionStatus.SKIPPED):
+            s.add(Action(run_id="rc", kind=ActionKind.REQUEUE, reason="r", status=status))
+        s.add(
+            Action(
+                run_id="rc",
+                kind=ActionKind.DRAIN_NODE,
+                node="n1",
+                reason="xid 79",
+                status=ActionStatus.SKIPPED,
+                error="drain requested, not permitted: ...",
+            )
+        )
+        s.add(Event(run_id="rc", kind=EventKind.STRAGGLER, node="n2", rank=3))
+    assert sample("slurmft_runs", state="running") == 1
+    assert sample("slurmft_recoveries_total", kind="requeue") == 1
+    assert sample("slurmft_drains_total", status="skipped") == 1
+    assert sample("slurmft_straggler_flags_total") == 1
+    assert sample("slurmft_failures_total", kind="straggler") == 1
