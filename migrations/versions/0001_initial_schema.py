@@ -42,6 +42,7 @@ def upgrade() -> None:
         sa.Column("nodes", sa.Integer(), nullable=False),
         sa.Column("spares", sa.Integer(), nullable=False),
         sa.Column("command", sa.JSON(), nullable=False),
+        sa.Column("spec", sa.JSON(), nullable=False),
         sa.Column("checkpoint_dir", sa.Text(), nullable=True),
         sa.Column("token_hash", sa.String(length=128), nullable=True),
         sa.Column("created_at", sa.DateTime(), nullable=False),
@@ -67,6 +68,7 @@ def upgrade() -> None:
         sa.Column("run_id", sa.String(length=32), nullable=False),
         sa.Column("number", sa.Integer(), nullable=False),
         sa.Column("slurm_job_id", sa.String(length=32), nullable=True),
+        sa.Column("slurm_restarts", sa.Integer(), nullable=False),
         sa.Column(
             "state",
             sa.Enum(

@@ -15,6 +15,7 @@ from sqlalchemy.orm import Session
 from slurmft.agent.exits import BatchExit
 from slurmft.controller.budget import RestartBudget
 from slurmft.controller.detect import RankBeat, RankCompute
+from slurmft.controller.reconcile import reconcile
 from slurmft.controller.views import (
     ClusterView,
     GpuFault,
@@ -183,6 +184,8 @@ def gather(
         )
     except (SlurmUnreachable, SlurmTimeout):
         return ClusterView(now=now, slurm_reachable=False)
+    reconcile(session, {run.id: (run, attempts[run.id]) for run in runs}, jobs, now=now)
+    attempts = {run.id: _latest_attempt(session, run.id) for run in runs}  # requeues add one
     views = tuple(
         _run_view(
             session,

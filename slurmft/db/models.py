@@ -165,6 +165,9 @@ class Run(Base):
     nodes: Mapped[int]
     spares: Mapped[int] = mapped_column(default=0)
     command: Mapped[list[str]]
+    # What `slurmft submit` was given (nodes, spares, time limit, partition, ...): a resubmission
+    # after a time limit or preemption builds the same job from it.
+    spec: Mapped[dict[str, Any]] = mapped_column(default=dict)
     checkpoint_dir: Mapped[str | None] = mapped_column(Text)
     token_hash: Mapped[str | None] = mapped_column(String(128))
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
@@ -194,6 +197,8 @@ class Attempt(Base):
     run_id: Mapped[str] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), index=True)
     number: Mapped[int]
     slurm_job_id: Mapped[str | None] = mapped_column(String(32), index=True)
+    # Slurm's Restarts count for the job when this attempt began: a higher count is a requeue.
+    slurm_restarts: Mapped[int] = mapped_column(default=0)
     state: Mapped[AttemptState] = mapped_column(_enum(AttemptState), default=AttemptState.SUBMITTED)
     nodelist: Mapped[str | None] = mapped_column(Text)
     batch_host: Mapped[str | None] = mapped_column(String(128))

@@ -50,6 +50,10 @@ def test_a_killed_node_is_seen_recorded_and_excluded_once(
     assert run_view.job is not None and run_view.job.phase is JobPhase.RUNNING
     assert {n.name for n in run_view.nodes} == set(job.nodes)
     assert decide(healthy, policy) == []
+    with database.session() as s:  # observe recorded what Slurm says
+        attempt = s.scalars(select(Attempt)).one()
+        assert attempt.state is AttemptState.RUNNING and attempt.batch_host == job.batch_host
+        assert attempt.nodelist is not None and set(attempt.nodelist.split(",")) == set(job.nodes)
 
     victim = next(n for n in job.nodes if n != job.batch_host)
     cluster.kill_node(victim)

@@ -1,0 +1,124 @@
+"""Keeping the store's runs and attempts in step with what Slurm says about their jobs.
+
+``attempt_change`` is pure (Slurm's job record in, the bookkeeping to do out); ``reconcile``
+applies it. An attempt is one Slurm job submission *or one requeue of it*: when Slurm's restart
+count for the job rises, the current attempt ended REQUEUED and the next one begins with the
+same job id. Nothing here decides a recovery: that is ``decide``'s; this only records facts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import datetime
+
+from sqlalchemy.orm import Session
+
+from slurmft.db.models import Attempt, Run
+from slurmft.db.states import ATTEMPT_TRANSITIONS, AttemptState, RunState
+from slurmft.slurm.api import JobInfo
+from slurmft.slurm.states import JobPhase, JobState
+
+_ENDED: dict[JobState, AttemptState] = {
+    JobState.COMPLETED: AttemptState.COMPLETED,
+    JobState.TIMEOUT: AttemptState.TIMEOUT,
+    JobState.DEADLINE: AttemptState.TIMEOUT,
+    JobState.PREEMPTED: AttemptState.PREEMPTED,
+    JobState.CANCELLED: AttemptState.CANCELLED,
+    JobState.NODE_FAIL: AttemptState.NODE_FAIL,
+    JobState.BOOT_FAIL: AttemptState.NODE_FAIL,
+}
+
+
+@dataclass(frozen=True)
+class AttemptChange:
+    requeued: bool = False  # end this attempt REQUEUED and open the next one
+    state: AttemptState | None = None  # the (new) current attempt's state, if it changed
+    run_state: RunState | None = None
+
+
+def attempt_change(
+    run_state: RunState, attempt_state: AttemptState, recorded_restarts: int, job: JobInfo
+) -> AttemptChange:
+    """What Slurm's record of the job means for the run's bookkeeping."""
+    # squeue has no restart count: a running attempt whose job is queued again was requeued.
+    # (scontrol's Restarts, when the record comes from there, catches a requeue that already
+    # runs again; Slurm holds a requeued job for cred_expire, 120 s by default, first.)
+    requeued = job.restarts > recorded_restarts or (
+        attempt_state is AttemptState.RUNNING and job.state.phase is JobPhase.WAITING
+    )
+    current = AttemptState.SUBMITTED if requeued else attempt_state
+    phase = job.state.phase
+    state: AttemptState | None = None
+    if phase is JobPhase.ACTIVE and current is AttemptState.SUBMITTED:
+        state = AttemptState.RUNNING
+    elif phase is JobPhase.ENDED and not current.is_terminal:
+        state = _ENDED.get(job.state, AttemptState.FAILED)
+    run = _run_state(run_state, requeued, state or current)
+    return AttemptChange(requeued, state, run)
+
+
+def _run_state(run: RunState, requeued: bool, attempt: AttemptState) -> RunState | None:
+    if run.is_terminal:
+        return None
+    if attempt is AttemptState.RUNNING:
+        return None if run is RunState.RUNNING else RunState.RUNNING
+    if requeued and run is RunState.RUNNING:
+        return RunState.RECOVERING
+    return None
+
+
+def reconcile(
+    session: Session,
+    runs: Mapping[str, tuple[Run, Attempt | None]],
+    jobs: Mapping[str, JobInfo],
+    *,
+    now: datetime,
+) -> None:
+    """Apply Slurm's view of every tracked job to its run and attempts."""
+    for run, attempt in runs.values():
+        if attempt is None or attempt.slurm_job_id not in jobs:
+            continue
+        job = jobs[attempt.slurm_job_id]
+        if job.restarts > attempt.slurm_restarts and attempt.state is AttemptState.SUBMITTED:
+            attempt.slurm_restarts = job.restarts  # requeued before it was ever seen running
+        change = attempt_change(run.state, attempt.state, attempt.slurm_restarts, job)
+        current = _next_attempt(session, attempt, job, now) if change.requeued else attempt
+        _apply(current, change.state, job, now)
+        if change.run_state is not None:
+            run.state = change.run_state
+            if change.run_state is RunState.RUNNING and run.started_at is None:
+                run.started_at = now
+    session.flush()
+
+
+def _next_attempt(session: Session, ended: Attempt, job: JobInfo, now: datetime) -> Attempt:
+    """Slurm requeued the job: this attempt ended, the next one has the same job id."""
+    ended.state = AttemptState.REQUEUED
+    ended.ended_at = now
+    ended.end_reason = f"requeued by Slurm (restart {job.restarts})"
+    following = Attempt(
+        run_id=ended.run_id,
+        number=ended.number + 1,
+        slurm_job_id=ended.slurm_job_id,
+        slurm_restarts=job.restarts,
+        submitted_at=now,
+    )
+    session.add(following)
+    return following
+
+
+def _apply(attempt: Attempt, state: AttemptState | None, job: JobInfo, now: datetime) -> None:
+    if state is None:
+        return
+    if state not in ATTEMPT_TRANSITIONS[attempt.state]:
+        # It ran and ended between two looks (e.g. while the daemon was down): record both.
+        attempt.state = AttemptState.RUNNING
+    attempt.state = state
+    if state is AttemptState.RUNNING:
+        attempt.started_at = now
+        attempt.nodelist = ",".join(job.nodes)
+        attempt.batch_host = job.batch_host or None
+    elif state.is_terminal:
+        attempt.ended_at = now
+        attempt.end_reason = f"Slurm: {job.state.value} (exit {job.exit_code or '?'})"
