@@ -16,8 +16,9 @@ from slurmft.controller.decide import Policy, decide
 from slurmft.controller.observe import gather
 from slurmft.controller.views import ClusterView, ExcludeNode, JobPhase, NodeCondition, RecordEvent
 from slurmft.db import Database
-from slurmft.db.models import Action, ActionKind, ActionStatus, Event, EventKind
+from slurmft.db.models import Action, ActionKind, ActionStatus, Attempt, Event, EventKind
 from slurmft.db.records import denied_nodes
+from slurmft.db.states import AttemptState
 
 pytestmark = pytest.mark.slurm
 
