@@ -89,10 +89,10 @@ class Job:
         return "\n".join(p.read_text(errors="replace") for p in self.workdir.glob("job-*.out"))
 
 
-def submit(cluster: Cluster, workdir: Path, port: int) -> Job:
+def submit(cluster: Cluster, workdir: Path, port: int, args: list[str] = TINY_ARGS) -> Job:
     ckpt = str(workdir / "ckpt")
     script = ("-m", "slurmft.train.examples.tiny", "--ckpt-dir", ckpt,
-              "--out-dir", str(workdir / "out"), *TINY_ARGS)
+              "--out-dir", str(workdir / "out"), *args)
     spec = BatchSpec(run_id=f"t{port}", nodes=3, spares=1, script=script, ckpt_dir=ckpt,
                      store_port=port, slurmft=SLURMFT)
     request = dataclasses.replace(
@@ -126,7 +126,7 @@ def steps_of(cluster: Cluster, job: Job) -> list[str]:
                   if not s.endswith(".batch"))
 
 
-def assert_replays_match(job: Job) -> None:
+def assert_replays_match(job: Job, steps: int = 60) -> None:
     """Steps computed twice (before a failure and after the resume) gave the same loss."""
     seen: dict[int, float] = {}
     for record in job.records():
@@ -134,12 +134,39 @@ def assert_replays_match(job: Job) -> None:
         if record["step"] in seen:
             assert record["loss"] == pytest.approx(seen[record["step"]], rel=1e-5), record
         seen[record["step"]] = record["loss"]
-    assert sorted(seen) == list(range(1, 61))
+    assert sorted(seen) == list(range(1, steps + 1))
 
 
 def test_node_kill_spare_takes_over_inside_the_same_step(cluster: Cluster, tmp_path: Path,
                                                          free_port: int) -> None:
-    job = submit(cluster, tmp_path, free_port)
+    node_kill_inside_the_same_step(cluster, submit(cluster, tmp_path, free_port), steps=60)
+
+
+@pytest.fixture
+def slurmd_timeout_60(cluster: Cluster) -> Iterator[None]:
+    """A slower DOWN, as at a site (SlurmdTimeout=300 there): the spare has long taken over
+    when Slurm marks the node DOWN, and the step must survive that moment."""
+    conf = Path(cluster.conf)
+    original = conf.read_text()
+    assert "SlurmdTimeout=5\n" in original
+    env = {**os.environ, "SLURM_CONF": cluster.conf}
+    conf.write_text(original.replace("SlurmdTimeout=5\n", "SlurmdTimeout=60\n"))
+    subprocess.run(["scontrol", "reconfigure"], env=env, timeout=60, check=True)
+    try:
+        yield
+    finally:
+        conf.write_text(original)
+        subprocess.run(["scontrol", "reconfigure"], env=env, timeout=60, check=True)
+
+
+def test_node_kill_with_slurmd_timeout_60(cluster: Cluster, tmp_path: Path, free_port: int,
+                                          slurmd_timeout_60: None) -> None:
+    # Long enough that Slurm marks the node DOWN (about 60-70 s after the kill) mid-training.
+    args = [*TINY_ARGS, "--steps", "150", "--work-ms", "600"]
+    node_kill_inside_the_same_step(cluster, submit(cluster, tmp_path, free_port, args), steps=150)
+
+
+def node_kill_inside_the_same_step(cluster: Cluster, job: Job, steps: int) -> None:
     killed: list[str] = []
     try:
         wait_for(lambda: any(r["step"] >= 12 for r in job.records()), 180,
@@ -152,12 +179,13 @@ def test_node_kill_spare_takes_over_inside_the_same_step(cluster: Cluster, tmp_p
         wait_for(lambda: workers_on(cluster, step, spare), 120,
                  f"the spare {spare} to train\n{job.output()[-3000:]}")
         assert steps_of(cluster, job) == [step]  # the same step: no relaunch was needed
-        wait_for(lambda: active[0] not in cluster.client.job(job.job_id).nodes, 60,
+        wait_for(lambda: active[0] not in cluster.client.job(job.job_id).nodes, 120,
                  "Slurm to mark the node DOWN and shrink the job")
-        wait_for(lambda: job.events("done"), 180, f"the end\n{job.output()[-3000:]}")
+        assert not job.events("done"), "training ended before the DOWN: make it longer"
+        wait_for(lambda: job.events("done"), 240, f"the end\n{job.output()[-3000:]}")
         assert steps_of(cluster, job) in ([step], [])  # survivors were not killed by the DOWN
         assert "agent step 2" not in job.output()
-        assert_replays_match(job)
+        assert_replays_match(job, steps)
     finally:
         cluster.client.cancel(job.job_id)
         for node in killed:
