@@ -181,6 +181,13 @@ SETTINGS: tuple[Setting, ...] = (
         minimum=1.0,
     ),
     Setting(
+        "daemon.agents_url",
+        str,
+        "",
+        "The URL agents on compute nodes report to, e.g. http://login1:8787. Empty: the ingest "
+        "endpoint as bound (daemon.ingest_listen), which suits a single machine.",
+    ),
+    Setting(
         "daemon.ingest_listen",
         str,
         "127.0.0.1:8787",

@@ -17,6 +17,7 @@ from slurmft.cli import (
     history_cmd,
     report_cmd,
     runs_cmd,
+    submit_cmd,
 )
 from slurmft.cli.context import CliState
 
@@ -35,6 +36,7 @@ app.add_typer(history_cmd.app, name="history")
 app.add_typer(gpu_cmd.app, name="gpu")
 runs_cmd.register(app)
 daemon_cmd.register(app)
+submit_cmd.register(app)
 report_cmd.register(app)
 
 

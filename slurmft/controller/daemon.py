@@ -213,7 +213,8 @@ class Daemon:
             observe=self.metrics.observe_ingest,
         ).start()
         self._rpc = RpcServer(
-            self.config.runtime_dir / SOCKET_NAME, operations(self.database)
+            self.config.runtime_dir / SOCKET_NAME,
+            operations(self.database, controller_url=self._agents_url()),
         ).start()
         host, port = _host_port(self.config["daemon.metrics_listen"], "daemon.metrics_listen")
         self._ops = OpsServer(
@@ -252,6 +253,11 @@ class Daemon:
             " (observe-only)" if self.config["daemon.observe_only"] else "",
         )
         return self
+
+    def _agents_url(self) -> str:
+        """The URL agents on compute nodes report to: `daemon.agents_url`, else the ingest
+        endpoint as bound (fine when it listens on an address the nodes can reach)."""
+        return self.config["daemon.agents_url"] or self.ingest_url
 
     @property
     def ingest_url(self) -> str:

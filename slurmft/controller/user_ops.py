@@ -6,16 +6,20 @@ someone else gets the same answer as one that does not exist.
 
 from __future__ import annotations
 
+import pwd
 from collections.abc import Mapping
 from typing import Any
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from slurmft.controller.ingest import new_run_token
 from slurmft.controller.rpc import Operation, RpcError
+from slurmft.controller.spec import RunSpec
 from slurmft.db import Database
 from slurmft.db.models import Action, Attempt, Event, Run, utcnow
 from slurmft.db.records import denied_nodes
+from slurmft.db.states import RunState
 
 ROOT_UID = 0
 
@@ -75,8 +79,58 @@ def _action_row(action: Action) -> dict[str, Any]:
     }
 
 
-def operations(database: Database) -> dict[str, Operation]:
-    """The daemon's user-facing operations, bound to its store."""
+def _user_name(uid: int) -> str:
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return str(uid)
+
+
+def operations(database: Database, *, controller_url: str = "") -> dict[str, Operation]:
+    """The daemon's user-facing operations, bound to its store (and, for new runs, the URL
+    its agents report to)."""
+
+    def create_run(uid: int, args: Mapping[str, Any]) -> dict[str, Any]:
+        spec = RunSpec.from_dict(dict(args.get("spec") or {}))
+        token, digest = new_run_token()
+        with database.session() as session:
+            run = Run(
+                name=spec.name,
+                owner_uid=uid,
+                owner_name=_user_name(uid),
+                nodes=spec.nodes,
+                spares=spec.spares,
+                command=list(spec.script),
+                spec=spec.to_dict(),
+                checkpoint_dir=spec.ckpt_dir,
+                token_hash=digest,
+            )
+            session.add(run)
+            session.flush()
+            return {
+                "run_id": run.id,
+                "token": token,
+                "controller_url": controller_url,
+                "exclude": sorted(denied_nodes(session)),
+            }
+
+    def attach_job(uid: int, args: Mapping[str, Any]) -> dict[str, Any]:
+        job_id = args.get("job_id")
+        if not isinstance(job_id, str) or not job_id.strip():
+            raise RpcError("a Slurm job id is required")
+        with database.session() as session:
+            run = _visible(session, uid, args.get("run_id"))
+            number = (_latest_attempt(session, run.id) or Attempt(number=0)).number + 1
+            session.add(Attempt(run_id=run.id, number=number, slurm_job_id=job_id))
+            return {"run_id": run.id, "attempt": number, "job_id": job_id}
+
+    def fail_run(uid: int, args: Mapping[str, Any]) -> dict[str, Any]:
+        with database.session() as session:
+            run = _visible(session, uid, args.get("run_id"))
+            if run.state is RunState.PENDING:
+                run.state = RunState.FAILED
+                run.end_reason = str(args.get("reason") or "submission failed")[:2000]
+            return {"run_id": run.id, "state": run.state.value}
 
     def runs(uid: int, args: Mapping[str, Any]) -> list[dict[str, Any]]:
         with database.session() as session:
@@ -130,4 +184,12 @@ def operations(database: Database) -> dict[str, Operation]:
                 run.cancel_requested_at = utcnow()
             return {"run_id": run.id, "cancel_requested": True}
 
-    return {"runs": runs, "status": status, "events": events, "cancel": cancel}
+    return {
+        "runs": runs,
+        "status": status,
+        "events": events,
+        "cancel": cancel,
+        "create_run": create_run,
+        "attach_job": attach_job,
+        "fail_run": fail_run,
+    }

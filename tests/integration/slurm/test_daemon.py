@@ -3,19 +3,17 @@ its own loop, survives SIGKILL without repeating itself, and stops cleanly on SI
 
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from daemon_process import DaemonProcess, daemon_env, slurmft
 from local_cluster import Cluster, wait_for
 from sqlalchemy import func, select
 
-from slurmft.controller.rpc import SOCKET_NAME, DaemonUnreachable, call
+from slurmft.controller.rpc import SOCKET_NAME, call
 from slurmft.db import Database
 from slurmft.db.models import Action, Event, EventKind
 
@@ -24,65 +22,14 @@ pytestmark = pytest.mark.slurm
 
 @pytest.fixture
 def env(tmp_path: Path) -> dict[str, str]:
-    base = {k: v for k, v in os.environ.items() if not k.startswith("SLURMFT_")}
-    return base | {
-        "SLURMFT_PATHS_STATE_DIR": str(tmp_path / "state"),
-        "SLURMFT_PATHS_RUNTIME_DIR": str(tmp_path / "run"),
-        "SLURMFT_DAEMON_POLL_INTERVAL_S": "1",
-        "SLURMFT_DAEMON_INGEST_LISTEN": "127.0.0.1:0",
-        "SLURMFT_SLURM_CONF": os.environ["SLURM_CONF"],
-    }
-
-
-def _slurmft(env: dict[str, str], *argv: str) -> None:
-    subprocess.run(
-        [sys.executable, "-m", "slurmft", *argv],
-        env=env,
-        check=True,
-        capture_output=True,
-        timeout=60,
-    )
-
-
-class DaemonProcess:
-    def __init__(self, env: dict[str, str], log: Path) -> None:
-        self.env = env
-        self.log = log
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        with self.log.open("ab") as out:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "slurmft", "daemon"], env=self.env, stdout=out, stderr=out
-            )
-        wait_for("the daemon to answer on its socket", self._answers, bool, timeout_s=30)
-
-    def _answers(self) -> bool:
-        self._alive()
-        try:
-            call(Path(self.env["SLURMFT_PATHS_RUNTIME_DIR"]) / SOCKET_NAME, "runs")
-        except DaemonUnreachable:
-            return False  # not up yet, or a stale socket left by a killed daemon
-        return True
-
-    def _alive(self) -> bool:
-        assert self.proc is not None
-        if self.proc.poll() is not None:
-            pytest.fail(f"daemon exited {self.proc.returncode}:\n{self.log.read_text()}")
-        return True
-
-    def kill(self, signum: int) -> int:
-        assert self.proc is not None
-        self.proc.send_signal(signum)
-        return self.proc.wait(timeout=30)
+    return daemon_env(tmp_path)
 
 
 @pytest.fixture
 def daemon(env: dict[str, str], tmp_path: Path) -> Iterator[DaemonProcess]:
     process = DaemonProcess(env, tmp_path / "daemon.log")
     yield process
-    if process.proc is not None and process.proc.poll() is None:
-        process.kill(signal.SIGKILL)
+    process.stop_if_running()
 
 
 def _count(database: Database, *where: object) -> int:
@@ -93,7 +40,7 @@ def _count(database: Database, *where: object) -> int:
 def test_daemon_loop_survives_sigkill_and_stops_on_sigterm(
     cluster: Cluster, env: dict[str, str], daemon: DaemonProcess, seed_run: Callable[..., None]
 ) -> None:
-    _slurmft(env, "db", "upgrade")
+    slurmft(env, "db", "upgrade")
     database = Database(f"sqlite:///{env['SLURMFT_PATHS_STATE_DIR']}/slurmft.db")
     job_id = cluster.submit(
         ["sleep", "300"], nodes=3, spare_nodes=1, run_id="rd", ntasks_per_node=1

@@ -1,0 +1,152 @@
+"""`slurmft submit`: a training run as one Slurm job of N nodes plus S warm spares.
+
+The job is submitted by this process, so it belongs to the calling user. The daemon records the
+run (its owner comes from the socket's peer credentials) and hands out the run's token, which
+is written where only the user can read it; the agents present it when they report.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from dataclasses import replace
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from slurmft.agent.batch import BatchSpec, job_script, submit_request
+from slurmft.cli.context import echo_json, state
+from slurmft.controller.rpc import SOCKET_NAME, call
+from slurmft.controller.spec import RunSpec, SpecError
+from slurmft.slurm import CliSlurmClient, SlurmError
+from slurmft.slurm.script import job_name_for
+
+TOKEN_DIR = ".slurmft"
+
+
+def _slurmft_executable() -> str:
+    """The slurmft the compute nodes run: this one (same venv on a shared filesystem)."""
+    here = Path(sys.argv[0])
+    if here.name == "slurmft" and here.exists():
+        return str(here.resolve())
+    return shutil.which("slurmft") or str(Path(sys.executable).with_name("slurmft"))
+
+
+def _write_token(ckpt_dir: str, token: str) -> Path:
+    """The run's token, readable by its owner only, where every node of the job can read it."""
+    directory = Path(ckpt_dir) / TOKEN_DIR
+    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+    path = directory / "token"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as out:
+        out.write(token + "\n")
+    return path
+
+
+def _spec_from(spec_file: Path | None, script: list[str], options: dict[str, Any]) -> RunSpec:
+    if spec_file is not None:
+        data = RunSpec.from_toml(spec_file).to_dict()
+        data |= {k: v for k, v in options.items() if v is not None}
+        if script:
+            data["script"] = script
+        return RunSpec.from_dict(data, where=str(spec_file))
+    missing = [f"--{k.replace('_', '-')}" for k in ("nodes", "ckpt_dir") if options[k] is None]
+    if missing:
+        raise SpecError(f"missing {' and '.join(missing)} (or give a --spec file)")
+    fields = {k: v for k, v in options.items() if v is not None}
+    return RunSpec.from_dict({"name": _default_name(script), "script": script, **fields})
+
+
+def _default_name(script: list[str]) -> str:
+    """`train.py ...` -> train; `-m pkg.train ...` -> train."""
+    if len(script) >= 2 and script[0] == "-m":
+        return script[1].rsplit(".", 1)[-1]
+    return Path(script[0]).stem if script else "run"
+
+
+def submit(  # noqa: PLR0917 (typer: one parameter per option)
+    ctx: typer.Context,
+    script: Annotated[
+        list[str] | None,
+        typer.Argument(help="The training script and its arguments (after `--`), as for torchrun."),
+    ] = None,
+    spec_file: Annotated[
+        Path | None, typer.Option("--spec", help="A TOML run spec; flags override its fields.")
+    ] = None,
+    nodes: Annotated[int | None, typer.Option(help="Training nodes N.")] = None,
+    spares: Annotated[int | None, typer.Option(help="Warm spare nodes S (default 1).")] = None,
+    nproc_per_node: Annotated[int | None, typer.Option(help="Processes per node.")] = None,
+    ckpt_dir: Annotated[
+        str | None, typer.Option(help="Shared checkpoint directory (every node mounts it).")
+    ] = None,
+    name: Annotated[str | None, typer.Option(help="Run name (default: the script's).")] = None,
+    time_limit: Annotated[
+        str | None, typer.Option("--time", help="Slurm time limit, e.g. 2-00:00:00.")
+    ] = None,
+    partition: Annotated[str | None, typer.Option(help="Slurm partition.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+) -> None:
+    """Submit a training run: `slurmft submit --nodes 3 --ckpt-dir /shared/ck -- train.py`."""
+    options = {
+        "nodes": nodes,
+        "spares": spares,
+        "nproc_per_node": nproc_per_node,
+        "ckpt_dir": ckpt_dir,
+        "name": name,
+        "time_limit": time_limit,
+        "partition": partition,
+    }
+    spec = _spec_from(spec_file, list(script or []), options)
+    cli = state(ctx)
+    socket_path = cli.config.runtime_dir / SOCKET_NAME
+    created = call(socket_path, "create_run", spec=spec.to_dict())
+    run_id = created["run_id"]
+    try:
+        job_id = _submit_job(cli.config, spec, created)
+    except (SlurmError, OSError) as exc:
+        call(socket_path, "fail_run", run_id=run_id, reason=f"submission failed: {exc}")
+        raise
+    call(socket_path, "attach_job", run_id=run_id, job_id=job_id)
+    if as_json:
+        echo_json({"run_id": run_id, "job_id": job_id})
+    else:
+        typer.echo(
+            f"run {run_id} submitted as Slurm job {job_id} "
+            f"({spec.nodes} nodes + {spec.spares} spares); `slurmft status {run_id}`"
+        )
+
+
+def _submit_job(config: Any, spec: RunSpec, created: dict[str, Any]) -> str:
+    token_file = _write_token(spec.ckpt_dir, created["token"])
+    batch = BatchSpec(
+        run_id=created["run_id"],
+        nodes=spec.nodes,
+        spares=spec.spares,
+        script=spec.script,
+        ckpt_dir=spec.ckpt_dir,
+        nproc_per_node=spec.nproc_per_node,
+        max_restarts_without_progress=config["policy.max_restarts_without_progress"],
+        slurmft=_slurmft_executable(),
+        token_file=str(token_file),
+    )
+    env = {**spec.env, "SLURMFT_AGENT_CONTROLLER_URL": created["controller_url"]}
+    request = submit_request(
+        batch,
+        job_name=job_name_for(spec.name),
+        time_limit=spec.time_limit,
+        save_lead_s=spec.save_lead_s,
+        exclude=created["exclude"],
+        partition=spec.partition,
+        output=str(Path(spec.ckpt_dir) / TOKEN_DIR / "slurm-%j.out"),
+    )
+    request = replace(request, script=job_script(batch, env))
+    client = CliSlurmClient(
+        slurm_conf=config["slurm.conf"] or None, timeout_s=config["slurm.command_timeout_s"]
+    )
+    return client.submit(request)
+
+
+def register(app: typer.Typer) -> None:
+    app.command(context_settings={"allow_interspersed_args": False})(submit)

@@ -1,0 +1,85 @@
+"""`slurmft daemon` as a process for the Slurm tests: its own state, socket and ports."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from local_cluster import wait_for
+
+from slurmft.controller.rpc import SOCKET_NAME, DaemonUnreachable, call
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def daemon_env(tmp_path: Path) -> dict[str, str]:
+    """The environment of a daemon (and of the slurmft commands that talk to it)."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith("SLURMFT_")}
+    return base | {
+        "SLURMFT_PATHS_STATE_DIR": str(tmp_path / "state"),
+        "SLURMFT_PATHS_RUNTIME_DIR": str(tmp_path / "run"),
+        "SLURMFT_DAEMON_POLL_INTERVAL_S": "1",
+        # A fixed port: agents keep the URL they were given across daemon restarts.
+        "SLURMFT_DAEMON_INGEST_LISTEN": f"127.0.0.1:{free_port()}",
+        "SLURMFT_DAEMON_METRICS_LISTEN": "127.0.0.1:0",
+        "SLURMFT_SLURM_CONF": os.environ["SLURM_CONF"],
+    }
+
+
+def slurmft(env: dict[str, str], *argv: str) -> str:
+    done = subprocess.run(
+        [sys.executable, "-m", "slurmft", *argv],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, f"slurmft {' '.join(argv)}: {done.stderr}"
+    return done.stdout
+
+
+class DaemonProcess:
+    def __init__(self, env: dict[str, str], log: Path) -> None:
+        self.env = env
+        self.log = log
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def socket_path(self) -> Path:
+        return Path(self.env["SLURMFT_PATHS_RUNTIME_DIR"]) / SOCKET_NAME
+
+    def start(self) -> None:
+        with self.log.open("ab") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "slurmft", "daemon"], env=self.env, stdout=out, stderr=out
+            )
+        wait_for("the daemon to answer on its socket", self._answers, bool, timeout_s=30)
+
+    def _answers(self) -> bool:
+        assert self.proc is not None
+        if self.proc.poll() is not None:
+            pytest.fail(f"daemon exited {self.proc.returncode}:\n{self.log.read_text()}")
+        try:
+            call(self.socket_path, "runs")
+        except DaemonUnreachable:
+            return False  # not up yet, or a stale socket left by a killed daemon
+        return True
+
+    def kill(self, signum: int) -> int:
+        assert self.proc is not None
+        self.proc.send_signal(signum)
+        return self.proc.wait(timeout=30)
+
+    def stop_if_running(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=30)
