@@ -1,0 +1,70 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from slurmft.controller.spec import RunSpec, SpecError
+
+GOOD = {
+    "name": "llama",
+    "nodes": 3,
+    "script": ["train.py", "--lr", "0.1"],
+    "ckpt_dir": "/shared/llama",
+}
+
+
+def test_defaults_and_round_trip() -> None:
+    spec = RunSpec.from_dict(GOOD)
+    assert (spec.spares, spec.nproc_per_node, spec.time_limit) == (1, 1, None)
+    assert RunSpec.from_dict(spec.to_dict()) == spec
+
+
+@pytest.mark.parametrize(
+    ("change", "needle"),
+    [
+        ({"nodes": 0}, "bad nodes: 0"),
+        ({"nodes": "3"}, "bad nodes: '3' is not int"),
+        ({"nodes": True}, "bad nodes"),
+        ({"spares": -1}, "bad spares"),
+        ({"ckpt_dir": "ckpt"}, "absolute path"),
+        ({"script": []}, "bad script: missing"),
+        ({"script": ["train.py", 3]}, "bad script"),
+        ({"time_limit": "two days"}, "bad time_limit"),
+        ({"name": "my run; rm -rf /"}, "bad name"),
+        ({"env": {"A": 1}}, "bad env"),
+        ({"gpus": 8}, "unknown field 'gpus'"),
+    ],
+)
+def test_bad_specs_name_the_field(change: dict[str, object], needle: str) -> None:
+    with pytest.raises(SpecError) as info:
+        RunSpec.from_dict({**GOOD, **change})
+    assert needle in str(info.value)
+
+
+@pytest.mark.parametrize("limit", ["90", "1:30:00", "2-00:00:00", "2-00:00"])
+def test_slurm_time_limits(limit: str) -> None:
+    assert RunSpec.from_dict({**GOOD, "time_limit": limit}).time_limit == limit
+
+
+def test_from_toml(tmp_path: Path) -> None:
+    path = tmp_path / "run.toml"
+    path.write_text(
+        'name = "llama"\nnodes = 4\nspares = 2\nscript = ["-m", "pkg.train"]\n'
+        'ckpt_dir = "/shared/x"\n[env]\nNCCL_DEBUG = "WARN"\n'
+    )
+    spec = RunSpec.from_toml(path)
+    assert (spec.nodes, spec.spares, spec.script, spec.env) == (
+        4,
+        2,
+        ("-m", "pkg.train"),
+        {"NCCL_DEBUG": "WARN"},
+    )
+    path.write_text("nodes = [")
+    with pytest.raises(SpecError, match="not valid TOML"):
+        RunSpec.from_toml(path)
+    with pytest.raises(SpecError, match="does not exist"):
+        RunSpec.from_toml(tmp_path / "absent.toml")
+    path.write_text('name = "x"\n')
+    with pytest.raises(SpecError, match="missing 2 required positional arguments: .nodes. and .ckpt_dir."):
+        RunSpec.from_toml(path)
