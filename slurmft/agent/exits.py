@@ -13,12 +13,3 @@ class AgentExit(IntEnum):
     LEFT = 4  # told to leave (cordoned node) or stopped by a signal: a spare takes over
     PREFLIGHT_FAILED = 5  # the node is not fit to train (GPU fault)
 
-
-class BatchExit(IntEnum):
-    """Exit codes of the batch step (the job's batch script): what the controller reads from the
-    job's ExitCode once it has ended. Self-requeues need no code: the job is pending again."""
-
-    FINISHED = 0  # the training script completed
-    FAILED = 1  # ended on a failure the batch step could not recover from
-    REQUEUE_ME = 75  # (EX_TEMPFAIL) fewer than N usable nodes and the self-requeue was refused
-    GAVE_UP = 76  # the restart budget is spent: a crash loop, stop the run

@@ -12,7 +12,7 @@ from datetime import datetime, timedelta
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from slurmft.agent.exits import BatchExit
+from slurmft.agent.batch import BatchExit
 from slurmft.controller.budget import RestartBudget
 from slurmft.controller.detect import RankBeat, RankCompute
 from slurmft.controller.reconcile import reconcile
@@ -66,7 +66,9 @@ _END_BY_STATE = {
 }
 _END_BY_EXIT = {
     BatchExit.FINISHED: JobEnd.FINISHED,
-    BatchExit.GAVE_UP: JobEnd.GAVE_UP,
+    BatchExit.GIVE_UP: JobEnd.GAVE_UP,
+    # Fewer than N usable nodes and the self-requeue was refused: nodes were lost.
+    BatchExit.REQUEUE: JobEnd.NODE_FAIL,
 }
 
 
