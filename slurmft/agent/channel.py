@@ -26,7 +26,9 @@ RECEIVE_BUFFER_BYTES = 4 * 1024 * 1024
 
 # Rank events (slurmft.train) and what they are to the daemon. Others are counted, not sent.
 RANK_EVENT_KINDS: dict[str, tuple[EventKind, FaultClass | None]] = {
-    "collective_error": (EventKind.RANK_FAILURE, None),  # a peer died or a collective timed out
+    # A peer died or a collective timed out: evidence about *another* rank, never a failure of
+    # this one (counting it would make every survivor of a node loss look like a lemon).
+    "collective_error": (EventKind.COLLECTIVE_ERROR, None),
     "checkpoint_saved": (EventKind.CHECKPOINT, None),
     "checkpoint_invalid": (EventKind.RANK_FAILURE, FaultClass.INFRASTRUCTURE),
 }
@@ -78,6 +80,8 @@ def to_record(message: dict[str, Any]) -> Record | None:
             details=details,
         )
     if kind == "event" and message.get("event") in RANK_EVENT_KINDS:
+        if message["event"] == "checkpoint_saved" and int(message["rank"]) != 0:
+            return None  # every rank saves its shard; one event per checkpoint is the progress
         event_kind, fault_class = RANK_EVENT_KINDS[message["event"]]
         details = {k: v for k, v in message.items() if k not in _ENVELOPE}
         return AgentEvent(

@@ -111,6 +111,7 @@ class EventKind(enum.StrEnum):
     CHANNEL_SILENT = "channel_silent"
     PREEMPTED = "preempted"
     TIME_LIMIT = "time_limit"
+    COLLECTIVE_ERROR = "collective_error"  # a rank saw a peer fail: evidence, not a failure
     RESTART = "restart"  # workers restarted (in place, spare joined, new step, requeue, new job)
     CHECKPOINT = "checkpoint"  # a verified checkpoint: progress
 

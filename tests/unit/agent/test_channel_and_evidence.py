@@ -28,21 +28,23 @@ def test_rank_messages_become_wire_records() -> None:
         channel.send("event", event="collective_error", error="Connection reset by peer")
         channel.send("straggler", step=9, straggler_rank=6, group="all", ratio=1.5, window=10)
         channel.send("event", event="something_new")
+        channel.send("event", event="checkpoint_saved", step=9)  # rank 4: rank 0 reports it
         server._sock.sendto(b"not json", path)
         got = server.drain()
     finally:
         server.close()
     records = [record for _, record in got]
-    heartbeat, step, failure, straggler, unknown = records
+    heartbeat, step, failure, straggler, unknown, not_rank_0 = records
     assert isinstance(heartbeat, RankHeartbeat)
     assert (heartbeat.rank, heartbeat.local_rank, heartbeat.step, heartbeat.pid) == (4, 1, 9, 777)
     assert heartbeat.restart_count == 2 and not heartbeat.overdue
     assert isinstance(step, RankStepTime) and (step.step, step.compute_s) == (9, 0.2)
-    assert isinstance(failure, AgentEvent) and failure.kind == "rank_failure"
+    assert isinstance(failure, AgentEvent) and failure.kind == "collective_error"
     assert failure.details["error"] == "Connection reset by peer"
     assert isinstance(straggler, AgentEvent) and straggler.kind == "straggler"
     assert straggler.rank == 6 and straggler.fault_class == "straggler"
-    assert unknown is None and server.counters.ignored == {"something_new": 1}
+    assert unknown is None and not_rank_0 is None
+    assert server.counters.ignored == {"something_new": 1, "checkpoint_saved": 1}
     assert server.counters.malformed == 1
 
 
