@@ -172,14 +172,16 @@ def node_kill_inside_the_same_step(cluster: Cluster, job: Job, steps: int) -> No
         wait_for(lambda: any(r["step"] >= 12 for r in job.records()), 180,
                  f"training under Slurm\n{job.output()[-3000:]}")
         (step,) = steps_of(cluster, job)
-        active = [n for n in ("n2", "n3", "n4") if workers_on(cluster, step, n)]
-        spare = ({"n2", "n3", "n4"} - set(active)).pop()
-        cluster.run("kill-node", active[0])
-        killed.append(active[0])
+        nodes = ["n1", "n2", "n3", "n4"]
+        active = [n for n in nodes if workers_on(cluster, step, n)]
+        (spare,) = set(nodes) - set(active)
+        victim = next(n for n in active if n != "n1")  # n1 hosts the batch step and the store
+        cluster.run("kill-node", victim)
+        killed.append(victim)
         wait_for(lambda: workers_on(cluster, step, spare), 120,
                  f"the spare {spare} to train\n{job.output()[-3000:]}")
         assert steps_of(cluster, job) == [step]  # the same step: no relaunch was needed
-        wait_for(lambda: active[0] not in cluster.client.job(job.job_id).nodes, 120,
+        wait_for(lambda: victim not in cluster.client.job(job.job_id).nodes, 120,
                  "Slurm to mark the node DOWN and shrink the job")
         assert not job.events("done"), "training ended before the DOWN: make it longer"
         wait_for(lambda: job.events("done"), 240, f"the end\n{job.output()[-3000:]}")
