@@ -250,9 +250,7 @@ class NodeAgent:
 
     # -- rank reports and hangs -------------------------------------------------------------------
     def _take_reports(self, channel: RankChannelServer) -> None:
-        for _message, record in channel.drain():
-            if record is None:
-                continue
+        for record in channel.drain():
             if isinstance(record, RankHeartbeat):
                 self._saw_heartbeat(record)
             if self.reporter is not None:
@@ -262,12 +260,11 @@ class NodeAgent:
         self.state.workers[hb.local_rank] = WorkerSeen(
             hb.rank, hb.pid, hb.restart_count, hb.overdue, hb.phase, hb.progress_age_s
         )
-        if hb.restart_count and hb.restart_count not in self.state.restart_counts_seen:
-            self.state.restart_counts_seen.add(hb.restart_count)
-            self.event(EventKind.RESTART, f"workers restarted (restart {hb.restart_count})",
-                       rank=hb.rank, restart_count=hb.restart_count)
-        else:
-            self.state.restart_counts_seen.add(hb.restart_count)
+        if hb.restart_count not in self.state.restart_counts_seen:
+            self.state.restart_counts_seen.add(hb.restart_count)  # once per node, not per rank
+            if hb.restart_count:
+                self.event(EventKind.RESTART, f"workers restarted (restart {hb.restart_count})",
+                           rank=hb.rank, restart_count=hb.restart_count)
 
     def _kill_hung_workers(self) -> None:
         alive = [w for w in self.state.workers.values()

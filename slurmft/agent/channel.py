@@ -109,9 +109,10 @@ class RankChannelServer:
         os.chmod(path, 0o600)  # only the job's user may report
         self._sock.setblocking(False)
 
-    def drain(self, limit: int = 10_000) -> list[tuple[dict[str, Any], Record | None]]:
-        out: list[tuple[dict[str, Any], Record | None]] = []
-        while len(out) < limit:
+    def drain(self, limit: int = 10_000) -> list[Record]:
+        """What arrived since the last call, as wire records; other kinds are counted."""
+        out: list[Record] = []
+        for _ in range(limit):
             try:
                 payload = self._sock.recv(MAX_MESSAGE_BYTES + 1)
             except BlockingIOError:
@@ -127,7 +128,8 @@ class RankChannelServer:
             if record is None:
                 name = str(message.get("event") or message.get("kind"))
                 self.counters.ignored[name] = self.counters.ignored.get(name, 0) + 1
-            out.append((message, record))
+            else:
+                out.append(record)
         return out
 
     def close(self) -> None:
