@@ -108,7 +108,13 @@ def job_view(info: JobInfo, nodes: Mapping[str, NodeInfo]) -> JobView | None:
     if phase is SlurmPhase.ENDED:
         return JobView(info.job_id, JobPhase.ENDED, end=job_end(info))
     host = info.batch_host or None
-    host_down = host is not None and node_condition(nodes.get(host)) is NodeCondition.LOST
+    # Only a RUNNING job is stuck on a dead batch host: one that is COMPLETING (requeued or
+    # ending) is on its way out already, and requeueing it again fails.
+    host_down = (
+        info.state is JobState.RUNNING
+        and host is not None
+        and node_condition(nodes.get(host)) is NodeCondition.LOST
+    )
     return JobView(info.job_id, JobPhase.RUNNING, batch_host=host, batch_host_down=host_down)
 
 
@@ -181,8 +187,10 @@ def gather(
     try:
         jobs = slurm.jobs(job_ids)
         nodes = slurm.nodes()  # every node: one call, and the partition's size for the caps
-        jobs |= _ended_details(
-            slurm, [j for j in job_ids if j not in jobs or jobs[j].state.is_ended]
+        by_job = {a.slurm_job_id: a for a in attempts.values() if a and a.slurm_job_id}
+        jobs |= _details(
+            slurm,
+            [j for j in job_ids if j not in jobs or _needs_details(jobs[j], by_job[j])],
         )
     except (SlurmUnreachable, SlurmTimeout):
         return ClusterView(now=now, slurm_reachable=False)
@@ -219,9 +227,19 @@ def gather(
     )
 
 
-def _ended_details(slurm: SlurmClient, job_ids: list[str]) -> dict[str, JobInfo]:
-    """Ended (or vanished) jobs in detail: squeue has no exit code; a job purged from slurmctld
-    is reported as failed without an exit status."""
+def _needs_details(job: JobInfo, attempt: Attempt) -> bool:
+    """squeue has no exit code and no restart count. A requeued job may go from RUNNING through
+    COMPLETING to RUNNING again (measured: 3 s) without ever being seen PENDING, so a
+    COMPLETING job, or one running with another batch host than its attempt recorded, is read
+    in detail too: scontrol's Restarts tells a requeue from an ending."""
+    if job.state.is_ended or job.state is JobState.COMPLETING:
+        return True
+    return bool(attempt.batch_host and job.batch_host and job.batch_host != attempt.batch_host)
+
+
+def _details(slurm: SlurmClient, job_ids: list[str]) -> dict[str, JobInfo]:
+    """Jobs in detail (scontrol): a job purged from slurmctld is reported as failed without an
+    exit status."""
     details = {}
     for job_id in job_ids:
         try:

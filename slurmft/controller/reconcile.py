@@ -49,8 +49,10 @@ def attempt_change(
     )
     current = AttemptState.SUBMITTED if requeued else attempt_state
     phase = job.state.phase
+    completing = job.state is JobState.COMPLETING
     state: AttemptState | None = None
-    if phase is JobPhase.ACTIVE and current is AttemptState.SUBMITTED:
+    # A requeued job still COMPLETING on its old nodes has not started again yet.
+    if phase is JobPhase.ACTIVE and current is AttemptState.SUBMITTED and not completing:
         state = AttemptState.RUNNING
     elif phase is JobPhase.ENDED and not current.is_terminal:
         state = _ENDED.get(job.state, AttemptState.FAILED)
@@ -102,6 +104,8 @@ def _next_attempt(session: Session, ended: Attempt, job: JobInfo, now: datetime)
         number=ended.number + 1,
         slurm_job_id=ended.slurm_job_id,
         slurm_restarts=job.restarts,
+        # Explicit: the column default is applied only at INSERT, and _apply reads it before.
+        state=AttemptState.SUBMITTED,
         submitted_at=now,
     )
     session.add(following)

@@ -9,15 +9,19 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit" / "slurm"))
 
 from slurm_recordings import ReplayRunner
+from sqlalchemy import select
 
 from slurmft.controller.decide import Policy, decide
 from slurmft.controller.observe import gather
+from slurmft.controller.reconcile import reconcile
 from slurmft.controller.views import ExcludeNode, JobPhase, NotifyHuman
 from slurmft.db import Database
 from slurmft.db.models import Attempt, Event, EventKind, FaultClass, Run
-from slurmft.db.states import RunState
+from slurmft.db.states import AttemptState, RunState
 from slurmft.gpu.api import FaultAction
+from slurmft.slurm.api import JobInfo
 from slurmft.slurm.cli_backend import CliSlurmClient
+from slurmft.slurm.states import JobState
 
 NOW = datetime.now(UTC)
 
@@ -83,7 +87,8 @@ def _seed(database: Database) -> None:
 
 def test_gather_builds_the_view_and_the_drain_cap_holds(database: Database) -> None:
     _seed(database)
-    runner = ReplayRunner(["squeue_requeued", "sinfo_nodes_drained"])
+    # The job is COMPLETING after a requeue: it is read in detail too (scontrol's Restarts).
+    runner = ReplayRunner(["squeue_requeued", "sinfo_nodes_drained", "show_job_requeued"])
     with database.session() as s:
         view = gather(s, CliSlurmClient(runner), now=NOW, max_restarts=5)
     assert runner.exhausted
@@ -110,3 +115,53 @@ def test_slurm_unreachable_means_no_view(database: Database) -> None:
         # The run's attempt asks for job 14, exactly what the recording asked for.
         view = gather(s, CliSlurmClient(runner), now=NOW, max_restarts=5)
     assert not view.slurm_reachable and view.runs == ()
+
+
+def _running_attempt(database: Database, batch_host: str) -> None:
+    with database.session() as s:
+        run = Run(id="r14", name="r14", owner_uid=0, owner_name="root", nodes=2, command=["x"])
+        s.add(run)
+        s.flush()
+        run.state = RunState.RUNNING
+        s.add(
+            Attempt(
+                run_id="r14",
+                number=1,
+                slurm_job_id="14",
+                state=AttemptState.RUNNING,
+                batch_host=batch_host,
+                submitted_at=NOW - timedelta(minutes=10),
+            )
+        )
+
+
+def _attempts(database: Database) -> list[tuple[int, AttemptState, int]]:
+    with database.session() as s:
+        rows = s.scalars(select(Attempt).order_by(Attempt.number)).all()
+        return [(a.number, a.state, a.slurm_restarts) for a in rows]
+
+
+def test_a_requeue_seen_only_while_completing_opens_the_next_attempt(database: Database) -> None:
+    # After `scontrol requeue` squeue says COMPLETING (no restart count) and the job may run
+    # again within seconds, never seen PENDING: scontrol's Restarts=1 tells it was requeued.
+    _running_attempt(database, batch_host="n1")
+    runner = ReplayRunner(["squeue_requeued", "sinfo_nodes_drained", "show_job_requeued"])
+    with database.session() as s:
+        gather(s, CliSlurmClient(runner), now=NOW, max_restarts=5)
+    assert runner.exhausted
+    assert _attempts(database) == [(1, AttemptState.REQUEUED, 0), (2, AttemptState.SUBMITTED, 1)]
+    with database.session() as s:
+        assert s.get(Run, "r14").state is RunState.RECOVERING  # type: ignore[union-attr]
+
+
+def test_a_requeue_first_seen_running_again_opens_a_running_attempt(database: Database) -> None:
+    # The next attempt is read before it was ever inserted: its state must already be set.
+    _running_attempt(database, batch_host="n1")
+    again = JobInfo("14", JobState.RUNNING, nodes=("n2", "n3"), batch_host="n2", restarts=1)
+    with database.session() as s:
+        runs = {"r14": (s.get(Run, "r14"), s.scalars(select(Attempt)).one())}
+        reconcile(s, runs, {"14": again}, now=NOW)  # type: ignore[arg-type]
+    assert _attempts(database) == [(1, AttemptState.REQUEUED, 0), (2, AttemptState.RUNNING, 1)]
+    with database.session() as s:
+        second = s.scalars(select(Attempt).where(Attempt.number == 2)).one()
+        assert (second.batch_host, second.nodelist) == ("n2", "n2,n3")

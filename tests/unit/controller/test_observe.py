@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -48,6 +49,15 @@ def test_running_job_whose_batch_host_died() -> None:
     view = job_view(job, nodes)
     assert view is not None and view.phase is JobPhase.RUNNING
     assert view.batch_host == "n1" and view.batch_host_down
+
+
+def test_a_requeued_job_completing_on_its_dead_batch_host_is_not_requeued_again() -> None:
+    # Seen on the local cluster: after `scontrol requeue` the job reads COMPLETING, still with
+    # the dead BatchHost, until slurmctld gives up on that node; a second requeue then fails.
+    running = _job("show_job_batch_host_down")
+    completing = dataclasses.replace(running, state=JobState.COMPLETING)
+    view = job_view(completing, parse_sinfo_nodes(_stdout("sinfo_nodes_down")))
+    assert view is not None and view.phase is JobPhase.RUNNING and not view.batch_host_down
 
 
 def test_running_job_with_a_live_batch_host() -> None:

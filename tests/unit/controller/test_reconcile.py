@@ -44,6 +44,15 @@ CASES = [
         AttemptChange(requeued=True, state=A.RUNNING),
     ),
     (
+        "requeued, still completing on the old nodes (scontrol's restart count)",
+        R.RUNNING,
+        A.RUNNING,
+        0,
+        J.COMPLETING,
+        1,
+        AttemptChange(requeued=True, run_state=R.RECOVERING),
+    ),
+    (
         "the requeued attempt starts: the run runs again",
         R.RECOVERING,
         A.SUBMITTED,
