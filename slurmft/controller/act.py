@@ -2,7 +2,9 @@
 
 Every effect is written as a ``planned`` action row first and finished afterwards, so "why did
 this node get drained" is one query, and a crash mid-way leaves a visible planned row. In
-observe-only mode every action is recorded as ``skipped`` and nothing is touched.
+observe-only mode every action is recorded as ``skipped`` and nothing is touched, except the
+end of a run whose job has already ended by itself: that is the store's record of what Slurm
+says (the run completed, or its batch step gave up), not an act on the cluster.
 
 Commands for agents (leave the run, restart your workers) are not pushed: they are rows in the
 store (the run-scoped denylist, planned ``restart_workers`` actions) that the ingest endpoint
@@ -89,7 +91,7 @@ class Executor:
         row = plan_action(
             session, kind, action.reason, run_id=action.run_id, node=node, evidence=action.evidence
         )
-        if self._observe_only:
+        if self._observe_only and not _records_an_end(action):
             finish_action(row, ActionStatus.SKIPPED, error=OBSERVE_ONLY)
             return Outcome(action, ActionStatus.SKIPPED, OBSERVE_ONLY)
         if effect is None:  # delivered to the agent with its next report
@@ -131,9 +133,9 @@ class Executor:
             case v.RequeueJob(job_id=job_id, exclude=exclude):
 
                 def requeue() -> None:
-                    self._slurm.requeue(job_id)
-                    # ExcNodeList can only change while the job is pending, i.e. after requeue.
-                    self._slurm.set_excluded_nodes(job_id, sorted(exclude))
+                    # ExcNodeList can only change while the job waits, and a requeued job may
+                    # start again within seconds: the client holds it, updates, releases.
+                    self._slurm.requeue(job_id, exclude=sorted(exclude))
 
                 return ActionKind.REQUEUE, None, requeue
             case v.SubmitAttempt(exclude=exclude):
@@ -165,6 +167,11 @@ class Executor:
         if run is not None and not run.state.is_terminal:
             run.state = state
             run.end_reason = action.reason
+
+
+def _records_an_end(action: v.Action) -> bool:
+    """A run's end after its job ended: nothing to cancel, only the store to update."""
+    return isinstance(action, v.FinishRun) and action.job_id is None
 
 
 def _deny_for_run(session: Session, action: v.Action, node: str) -> None:

@@ -32,11 +32,8 @@ class RecordingSlurm:
     def drain(self, node: str, reason: str) -> None:
         self._call("drain", node, reason)
 
-    def requeue(self, job_id: str) -> None:
-        self._call("requeue", job_id)
-
-    def set_excluded_nodes(self, job_id: str, nodes: Sequence[str]) -> None:
-        self._call("set_excluded_nodes", job_id, ",".join(nodes))
+    def requeue(self, job_id: str, exclude: Sequence[str] | None = None) -> None:
+        self._call("requeue", job_id, *([",".join(exclude)] if exclude is not None else []))
 
     def cancel(self, job_id: str) -> None:
         self._call("cancel", job_id)
@@ -111,16 +108,18 @@ def test_slurm_down_fails_one_action_and_the_next_still_runs(
         ]
     )
     assert [o.status for o in outcomes] == [ActionStatus.FAILED, ActionStatus.DONE]
-    assert slurm.calls == [("requeue", "7")]  # no ExcNodeList update after a failed requeue
+    assert slurm.calls == [("requeue", "7", "n1,n9")]
     assert _actions(database)[0][3] == "slurmctld not responding"
 
 
-def test_requeue_sets_the_excluded_nodes_after_requeueing(database: Database, run_id: str) -> None:
+def test_requeue_excludes_the_nodes_in_one_client_call(database: Database, run_id: str) -> None:
+    # The client's requeue with `exclude` holds the job while it changes ExcNodeList: a plain
+    # requeue followed by an update could lose the race with the job starting again.
     slurm = RecordingSlurm()
     Executor(database, slurm).execute(  # type: ignore[arg-type]
         [v.RequeueJob(run_id, "no spare", job_id="7", exclude=frozenset({"n3", "n1"}))]
     )
-    assert slurm.calls == [("requeue", "7"), ("set_excluded_nodes", "7", "n1,n3")]
+    assert slurm.calls == [("requeue", "7", "n1,n3")]
 
 
 def test_restart_workers_waits_in_the_outbox(database: Database, run_id: str) -> None:
@@ -174,3 +173,18 @@ def test_observe_only_records_everything_and_acts_on_nothing(
         run = s.get(Run, run_id)
         assert run is not None and run.state is RunState.RUNNING
         assert s.scalars(select(Event)).one().kind is EventKind.GPU_FAULT
+
+
+def test_observe_only_still_records_the_end_of_a_run_whose_job_ended(
+    database: Database, run_id: str
+) -> None:
+    # Without it the run stays live in the store and the same end is decided every pass.
+    slurm = RecordingSlurm()
+    (outcome,) = Executor(database, slurm, observe_only=True).execute(  # type: ignore[arg-type]
+        [v.FinishRun(run_id, "the training script finished", state=RunState.COMPLETED)]
+    )
+    assert slurm.calls == [] and outcome.status is ActionStatus.DONE
+    assert _actions(database) == [(ActionKind.FINISH_RUN, None, ActionStatus.DONE, None)]
+    with database.session() as s:
+        run = s.get(Run, run_id)
+        assert run is not None and run.state is RunState.COMPLETED

@@ -1,0 +1,135 @@
+"""Shared pieces of the end-to-end tests: a run submitted with `slurmft submit` under a daemon
+process, and what the store and the run's files say about it."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from daemon_process import DaemonProcess, slurmft
+from local_cluster import Cluster
+from sqlalchemy import func, select
+
+from slurmft.db import Database
+from slurmft.db.models import Action, Attempt, Event, RankHeartbeat, Run
+
+# The example at a pace two cores keep up with: 3 ranks, a checkpoint every 5 steps.
+TINY = [
+    "--steps",
+    "60",
+    "--ckpt-every",
+    "5",
+    "--work-ms",
+    "150",
+    "--heartbeat-interval-s",
+    "1",
+    "--pg-timeout-s",
+    "30",
+]
+
+
+@dataclass
+class SubmittedRun:
+    run_id: str
+    job_id: str
+    shared: Path  # every node's shared directory: checkpoints, job log, outputs
+    database: Database
+
+    @property
+    def ckpt_dir(self) -> Path:
+        return self.shared / "ckpt"
+
+    @property
+    def out(self) -> Path:
+        return self.shared / "out"
+
+    def job_log(self) -> str:
+        logs = sorted((self.ckpt_dir / ".slurmft").glob("slurm-*.out"))
+        return "\n".join(p.read_text(errors="replace") for p in logs)
+
+    def jsonl(self, name: str) -> list[dict[str, Any]]:
+        path = self.out / name
+        return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+    def beating_nodes(self) -> dict[int, str]:
+        with self.database.session() as s:
+            rows = s.scalars(select(RankHeartbeat).where(RankHeartbeat.run_id == self.run_id)).all()
+            return {hb.rank: hb.node for hb in rows}
+
+    def run(self) -> Run:
+        with self.database.session() as s:
+            run = s.get(Run, self.run_id)
+            assert run is not None
+            s.expunge(run)
+            return run
+
+    def attempts(self) -> list[Attempt]:
+        with self.database.session() as s:
+            rows = s.scalars(
+                select(Attempt).where(Attempt.run_id == self.run_id).order_by(Attempt.number)
+            ).all()
+            for row in rows:
+                s.expunge(row)
+            return list(rows)
+
+    def events(self, *where: object) -> list[Event]:
+        with self.database.session() as s:
+            rows = s.scalars(
+                select(Event).where(Event.run_id == self.run_id, *where).order_by(Event.id)
+            ).all()
+            for row in rows:
+                s.expunge(row)
+            return list(rows)
+
+    def actions(self, *where: object) -> list[Action]:
+        with self.database.session() as s:
+            rows = s.scalars(
+                select(Action).where(Action.run_id == self.run_id, *where).order_by(Action.id)
+            ).all()
+            for row in rows:
+                s.expunge(row)
+            return list(rows)
+
+    def count_events(self, *where: object) -> int:
+        with self.database.session() as s:
+            return s.scalar(select(func.count()).select_from(Event).where(*where)) or 0
+
+
+def submit(
+    cluster: Cluster,
+    daemon: DaemonProcess,
+    tmp_path: Path,
+    script: list[str],
+    *,
+    name: str,
+    nodes: int = 3,
+    spares: int = 1,
+) -> SubmittedRun:
+    """`slurmft submit` a run of `nodes` + `spares`; `{ckpt}` and `{out}` in the script's
+    arguments become its checkpoint and output directories. The fixture cancels the job."""
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o777)
+    ckpt, out = shared / "ckpt", shared / "out"
+    argv = [a.replace("{ckpt}", str(ckpt)).replace("{out}", str(out)) for a in script]
+    submitted = json.loads(
+        slurmft(
+            daemon.env,
+            "submit",
+            "--nodes",
+            str(nodes),
+            "--spares",
+            str(spares),
+            "--ckpt-dir",
+            str(ckpt),
+            "--name",
+            name,
+            "--json",
+            "--",
+            *argv,
+        )
+    )
+    cluster._jobs.append(submitted["job_id"])  # cancelled by the fixture whatever happens
+    database = Database(f"sqlite:///{daemon.env['SLURMFT_PATHS_STATE_DIR']}/slurmft.db")
+    return SubmittedRun(submitted["run_id"], submitted["job_id"], shared, database)

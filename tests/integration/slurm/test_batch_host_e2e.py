@@ -1,0 +1,104 @@
+"""A killed batch host on the real local Slurm cluster. Under `--no-kill` Slurm keeps such a job
+RUNNING forever (notes/local-slurm.md): the daemon must see that the node holding the batch
+step is gone and requeue the job without it. The requeued job (same job id, a new attempt) runs
+on the other nodes, resumes from the last checkpoint at the same world size, and completes."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from daemon_process import DaemonProcess, daemon_env, slurmft
+from e2e_run import TINY, submit
+from local_cluster import Cluster, wait_for
+
+from slurmft.db.models import Action, ActionKind, ActionStatus, Event, EventKind
+from slurmft.db.states import AttemptState, RunState
+
+pytestmark = [pytest.mark.slurm, pytest.mark.torch]
+
+
+@pytest.fixture
+def daemon(tmp_path: Path) -> Iterator[DaemonProcess]:
+    env = daemon_env(tmp_path)
+    slurmft(env, "db", "upgrade")
+    process = DaemonProcess(env, tmp_path / "daemon.log")
+    process.start()
+    yield process
+    process.stop_if_running()
+
+
+def test_killed_batch_host_is_requeued_without_it_and_the_run_completes(
+    cluster: Cluster, daemon: DaemonProcess, tmp_path: Path
+) -> None:
+    run = submit(
+        cluster,
+        daemon,
+        tmp_path,
+        ["-m", "slurmft.train.examples.tiny", "--ckpt-dir", "{ckpt}", "--out-dir", "{out}", *TINY],
+        name="batch-host",
+        spares=0,  # the requeue, not a spare, is what brings this run back
+    )
+    wait_for(
+        "training past a checkpoint, reported by three ranks",
+        run.beating_nodes,
+        lambda ranks: len(ranks) == 3 and any(r["step"] >= 10 for r in run.jsonl("losses.jsonl")),
+        timeout_s=180,
+    )
+    first_nodes = set(cluster.client.job(run.job_id).nodes)
+    batch_host = cluster.client.job(run.job_id).batch_host
+    assert batch_host in first_nodes
+
+    cluster.kill_node(batch_host)
+    killed_at = time.monotonic()
+    events, detected_s = wait_for(
+        "the daemon to record the batch host down",
+        lambda: run.events(Event.kind == EventKind.BATCH_HOST_DOWN),
+        lambda found: len(found) == 1,
+        timeout_s=60,
+    )
+    assert events[0].node == batch_host
+    requeues, _ = wait_for(
+        "the daemon to requeue the job",
+        lambda: run.actions(Action.kind == ActionKind.REQUEUE),
+        lambda found: any(a.status is not ActionStatus.PLANNED for a in found),
+        timeout_s=30,
+    )
+    assert [a.status for a in requeues] == [ActionStatus.DONE], [a.error for a in requeues]
+    assert batch_host in requeues[0].reason and "batch host" in requeues[0].reason
+
+    attempts, _ = wait_for(
+        "the requeued job running again, a second attempt",
+        run.attempts,
+        lambda found: len(found) == 2 and found[1].state is AttemptState.RUNNING,
+        timeout_s=90,
+    )
+    running_again_s = time.monotonic() - killed_at
+    first, second = attempts
+    assert first.state is AttemptState.REQUEUED
+    assert (second.number, second.slurm_job_id) == (2, run.job_id)
+    second_nodes = set(cluster.client.job(run.job_id).nodes)
+    assert batch_host not in second_nodes and len(second_nodes) == 3, second_nodes
+    assert batch_host not in (second.nodelist or "") and second.batch_host != batch_host
+    assert batch_host in cluster.client.job(run.job_id).excluded_nodes
+
+    wait_for(
+        "the run to complete",
+        lambda: run.run().state,
+        lambda state: state is RunState.COMPLETED,
+        timeout_s=240,
+    )
+    losses = run.jsonl("losses.jsonl")
+    assert {r["world_size"] for r in losses} == {3}
+    assert sorted({r["step"] for r in losses}) == list(range(1, 61)), run.job_log()[-2000:]
+    resumed = [e for e in run.jsonl("events.jsonl") if e["event"] == "resumed"]
+    assert resumed and resumed[0]["step"] >= 10 and resumed[0]["world_size"] == 3, resumed
+    assert len(run.events(Event.kind == EventKind.BATCH_HOST_DOWN)) == 1  # not repeated
+    assert len(cluster.client.jobs([run.job_id])) == 1  # requeued, never resubmitted
+    print(
+        f"batch host {batch_host} killed: event after {detected_s:.1f} s, "
+        f"running again on {sorted(second_nodes)} after {running_again_s:.1f} s"
+    )
+    run.database.dispose()
