@@ -1,0 +1,97 @@
+"""Observe-only mode on the real local Slurm cluster: the daemon decides and records everything
+and acts on nothing. A node of a 3+1 run is killed: the loss is an event, the decided actions
+are rows marked skipped, nothing is drained in Slurm and nothing goes on a denylist; the spare
+still takes over, because that recovery happens inside the allocation without the daemon."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from daemon_process import DaemonProcess, daemon_env, slurmft
+from e2e_run import TINY, submit
+from local_cluster import Cluster, wait_for
+from sqlalchemy import func, select
+
+from slurmft.controller.act import OBSERVE_ONLY
+from slurmft.db.models import ActionKind, ActionStatus, DenylistEntry, Event, EventKind
+from slurmft.db.states import RunState
+
+pytestmark = [pytest.mark.slurm, pytest.mark.torch]
+
+
+@pytest.fixture
+def daemon(tmp_path: Path) -> Iterator[DaemonProcess]:
+    env = daemon_env(tmp_path) | {"SLURMFT_DAEMON_OBSERVE_ONLY": "true"}
+    slurmft(env, "db", "upgrade")
+    process = DaemonProcess(env, tmp_path / "daemon.log")
+    process.start()
+    yield process
+    process.stop_if_running()
+
+
+def test_observe_only_records_the_node_loss_and_acts_on_nothing(
+    cluster: Cluster, daemon: DaemonProcess, tmp_path: Path
+) -> None:
+    run = submit(
+        cluster,
+        daemon,
+        tmp_path,
+        ["-m", "slurmft.train.examples.tiny", "--ckpt-dir", "{ckpt}", "--out-dir", "{out}", *TINY],
+        name="observe-only",
+    )
+    wait_for(
+        "training, reported by three ranks",
+        run.beating_nodes,
+        lambda ranks: len(ranks) == 3 and any(r["step"] >= 10 for r in run.jsonl("losses.jsonl")),
+        timeout_s=180,
+    )
+    batch_host = cluster.client.job(run.job_id).batch_host
+    victim = sorted(set(run.beating_nodes().values()) - {batch_host})[0]
+    cluster.kill_node(victim)
+
+    wait_for(
+        "the daemon to record the loss",
+        lambda: run.events(Event.kind == EventKind.NODE_LOST, Event.node == victim),
+        lambda found: len(found) == 1,
+        timeout_s=60,
+    )
+    actions, _ = wait_for(
+        "the decided actions, recorded",
+        run.actions,
+        lambda found: any(a.node == victim for a in found),
+        timeout_s=30,
+    )
+    assert all(a.status is ActionStatus.SKIPPED for a in actions), [
+        (a.kind, a.status) for a in actions
+    ]
+    assert {a.error for a in actions} == {OBSERVE_ONLY} and OBSERVE_ONLY.startswith("observe-only")
+    assert victim in next(a.reason for a in actions if a.node == victim)
+
+    wait_for(
+        "the spare to train in the lost node's place (no daemon needed)",
+        run.beating_nodes,
+        lambda ranks: victim not in ranks.values() and len(ranks) == 3,
+        timeout_s=120,
+    )
+    wait_for(
+        "the run to complete",
+        lambda: run.run().state,
+        lambda state: state is RunState.COMPLETED,
+        timeout_s=240,
+    )
+    losses = run.jsonl("losses.jsonl")
+    assert {r["world_size"] for r in losses} == {3}
+    assert sorted({r["step"] for r in losses}) == list(range(1, 61)), run.job_log()[-2000:]
+
+    # Nothing was acted on: no drain in Slurm, no denylist entry; the one row not skipped is
+    # the store's record that the run ended (its job ended by itself).
+    drained = {n: i.reason for n, i in cluster.client.nodes().items() if i.status.drain_requested}
+    assert drained == {}
+    with run.database.session() as s:
+        assert s.scalar(select(func.count()).select_from(DenylistEntry)) == 0
+    acted = [(a.kind, a.status) for a in run.actions() if a.status is not ActionStatus.SKIPPED]
+    assert acted == [(ActionKind.FINISH_RUN, ActionStatus.DONE)]
+    assert len(cluster.client.jobs([run.job_id])) == 1
+    run.database.dispose()
