@@ -20,8 +20,9 @@ from slurmft.agent.store import StoreSupervisor
 from slurmft.cli.context import state
 from slurmft.config import ConfigError
 
-app = typer.Typer(help="Run on compute nodes: the node agent and the rendezvous store.",
-                  no_args_is_help=True)
+app = typer.Typer(
+    help="Run on compute nodes: the node agent and the rendezvous store.", no_args_is_help=True
+)
 
 
 def _default_node_index() -> int:
@@ -164,16 +165,24 @@ def batch(  # noqa: PLR0917 (typer: one parameter per option)
     config = state(ctx).config
     _setup_logging("batch", config["log.level"])
     spec = BatchSpec(
-        run_id=run_id, nodes=nodes, spares=spares, script=tuple(ctx.args), ckpt_dir=ckpt_dir,
-        store_port=store_port, nproc_per_node=nproc_per_node,
+        run_id=run_id,
+        nodes=nodes,
+        spares=spares,
+        script=tuple(ctx.args),
+        ckpt_dir=ckpt_dir,
+        store_port=store_port,
+        nproc_per_node=nproc_per_node,
         max_restarts_without_progress=max_restarts_without_progress,
-        save_timeout_s=save_timeout_s, slurmft=sys.argv[0], token_file=token_file,
+        save_timeout_s=save_timeout_s,
+        slurmft=sys.argv[0],
+        token_file=token_file,
     )
     job_id = os.environ.get("SLURM_JOB_ID", "")
     if not job_id:
         raise ConfigError("`slurmft agent batch` runs inside a Slurm batch job (no SLURM_JOB_ID)")
-    client = CliSlurmClient(slurm_conf=config["slurm.conf"] or None,
-                            timeout_s=config["slurm.command_timeout_s"])
+    client = CliSlurmClient(
+        slurm_conf=config["slurm.conf"] or None, timeout_s=config["slurm.command_timeout_s"]
+    )
     host = store_host or socket.gethostbyname(socket.gethostname())
     step = BatchStep(spec, client, job_id, host)
     signal.signal(signal.SIGUSR1, lambda *_: step.request_save_and_requeue())

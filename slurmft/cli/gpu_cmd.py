@@ -9,8 +9,9 @@ import typer
 from slurmft.cli.context import echo_json, state
 from slurmft.gpu import GpuProbe, ProbeReport
 
-app = typer.Typer(help="GPU health on this node (NVML, kernel-log Xids, DCGM).",
-                  no_args_is_help=True)
+app = typer.Typer(
+    help="GPU health on this node (NVML, kernel-log Xids, DCGM).", no_args_is_help=True
+)
 
 
 @app.command("status")
