@@ -18,6 +18,8 @@ from dataclasses import asdict, dataclass, field
 from enum import IntEnum
 from pathlib import Path
 
+from slurmft.controller.budget import Restart, RestartBudget
+from slurmft.db.models import FaultClass
 from slurmft.slurm.api import NodeInfo, SubmitRequest
 from slurmft.slurm.hostlist import compress
 from slurmft.slurm.script import render_batch_script
@@ -192,14 +194,16 @@ def after_step(
     """What follows an agent step that ended with `returncode`; updates the budget in `state`."""
     if returncode == 0:
         return Decision(Move.FINISH, "training finished")
-    if checkpoint > state.last_checkpoint:
-        state.restarts_without_progress = 0  # progress since the last launch: a fresh budget
-    else:
-        state.restarts_without_progress += 1
-    state.last_checkpoint = max(checkpoint, state.last_checkpoint)
-    cap = spec.max_restarts_without_progress
-    if state.restarts_without_progress >= cap:
-        return Decision(Move.GIVE_UP, f"{cap} restarts in a row without a newer checkpoint")
+    # The daemon's own rule (slurmft.controller.budget), so the two never disagree.
+    budget = RestartBudget(
+        max_without_progress=spec.max_restarts_without_progress,
+        charged_in_a_row=state.restarts_without_progress,
+        last_progress=state.last_checkpoint or None,
+    ).charge(Restart(FaultClass.UNKNOWN, progress=checkpoint or None))
+    state.restarts_without_progress = budget.charged_in_a_row
+    state.last_checkpoint = budget.last_progress or ""
+    if budget.exhausted:
+        return Decision(Move.GIVE_UP, budget.stop_reason())
     if len(usable) < spec.nodes:
         return Decision(Move.REQUEUE, f"{len(usable)} usable nodes, {spec.nodes} needed")
     return Decision(Move.RELAUNCH, f"agent step ended with {returncode}: relaunch on "

@@ -76,10 +76,12 @@ def test_usable_nodes_leave_out_lost_draining_and_cordoned() -> None:
     ("returncode", "usable", "checkpoint", "no_progress_before", "move", "no_progress_after"),
     [
         (0, ["n1"], "", 4, Move.FINISH, 4),
-        (1, ["n1", "n2", "n3"], "step-000000010", 4, Move.RELAUNCH, 0),  # progress: fresh budget
+        # Progress since the last launch: a fresh budget, this restart the first of it.
+        (1, ["n1", "n2", "n3"], "step-000000010", 4, Move.RELAUNCH, 1),
         (1, ["n1", "n2", "n3"], "step-000000005", 3, Move.RELAUNCH, 4),
-        (1, ["n1", "n2", "n3"], "step-000000005", 4, Move.GIVE_UP, 5),
-        (1, ["n1", "n2"], "step-000000010", 0, Move.REQUEUE, 0),
+        (1, ["n1", "n2", "n3"], "step-000000005", 4, Move.RELAUNCH, 5),  # the fifth restart
+        (1, ["n1", "n2", "n3"], "step-000000005", 5, Move.GIVE_UP, 6),  # then the cap
+        (1, ["n1", "n2"], "step-000000010", 0, Move.REQUEUE, 1),
     ],
 )
 def test_after_step(  # noqa: PLR0917 (one parameter per table column)
@@ -105,3 +107,17 @@ def test_budget_survives_a_requeue_in_the_checkpoint_directory(tmp_path: Path) -
     (tmp_path / "step-000000020").mkdir()
     (tmp_path / ".staging-step-000000025").mkdir()
     assert newest_checkpoint(str(tmp_path)) == "step-000000020"
+
+
+def test_the_batch_step_and_the_daemon_share_one_budget() -> None:
+    """A script that always crashes: both stop it after the same number of restarts."""
+    from slurmft.controller.budget import Restart, RestartBudget
+    from slurmft.db.models import FaultClass
+
+    state, launches = BudgetState(), 0
+    while after_step(1, ["n1", "n2", "n3"], SPEC, state, "").move is Move.RELAUNCH:
+        launches += 1
+    budget, restarts = RestartBudget(max_without_progress=SPEC.max_restarts_without_progress), 0
+    while not (budget := budget.charge(Restart(FaultClass.USER_CODE))).exhausted:
+        restarts += 1
+    assert launches == restarts == SPEC.max_restarts_without_progress
