@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import logging
 import signal
+import socket
 import subprocess
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 
 from slurmft.agent.batch import (
     BatchExit,
@@ -31,6 +33,12 @@ from slurmft.agent.store import StoreSupervisor
 from slurmft.slurm.api import SignalTarget, SlurmClient, SlurmError
 
 log = logging.getLogger("slurmft.batch")
+
+
+def free_port(host: str) -> int:
+    with socket.socket() as probe:
+        probe.bind((host, 0))
+        return int(probe.getsockname()[1])
 
 
 class BatchStep:
@@ -60,6 +68,10 @@ class BatchStep:
         return usable_nodes(job.nodes, self.client.nodes(job.nodes))
 
     def run(self) -> BatchExit:
+        if self.spec.store_port == 0:
+            # Two jobs' batch steps may share a node: take a free port, the agents get it in
+            # their rendezvous endpoint.
+            self.spec = replace(self.spec, store_port=free_port(self.store_host))
         supervisor = StoreSupervisor(self.store_host, self.spec.store_port).start()
         try:
             return self._loop()

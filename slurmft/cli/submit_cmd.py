@@ -127,6 +127,7 @@ def _submit_job(config: Any, spec: RunSpec, created: dict[str, Any]) -> str:
         script=spec.script,
         ckpt_dir=spec.ckpt_dir,
         nproc_per_node=spec.nproc_per_node,
+        store_port=0,  # the batch step takes a free port on its node
         max_restarts_without_progress=config["policy.max_restarts_without_progress"],
         slurmft=_slurmft_executable(),
         token_file=str(token_file),
