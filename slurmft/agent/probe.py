@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+from slurmft.gpu.probe import GpuProbe
+
 
 @dataclass(frozen=True)
 class GpuFault:
@@ -37,3 +39,19 @@ class NoGpuProbe:
 
     def probe(self) -> GpuReport:
         return GpuReport(has_gpus=False, note="no GPU on this node: GPU checks skipped")
+
+
+class NodeGpuProbe:
+    """The node's GPU health (slurmft.gpu: NVML, kernel-log Xids, DCGM, injection) as the
+    preflight sees it: only drain-class conditions make the node unfit. Restart-class faults
+    are the run's business, not the node's, and do not keep it out."""
+
+    def __init__(self, gpu_probe: GpuProbe) -> None:
+        self.gpu_probe = gpu_probe
+
+    def probe(self) -> GpuReport:
+        report = self.gpu_probe.check()
+        faults = tuple(GpuFault(f.drain_reason(), f.gpu, f.xid) for f in report.drain_faults)
+        # Injected faults show even where there is no GPU: a test drives an emulated node so.
+        return GpuReport(has_gpus=not report.no_gpu, gpu_count=report.gpu_count,
+                         faults=faults, note=report.no_gpu_reason if report.no_gpu else "")

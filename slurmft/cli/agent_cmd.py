@@ -9,6 +9,7 @@ import socket
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 from typing import Annotated
 
@@ -16,9 +17,11 @@ import typer
 
 from slurmft.agent.agent import AgentSettings, NodeAgent
 from slurmft.agent.command import TorchrunSpec
+from slurmft.agent.probe import NodeGpuProbe
 from slurmft.agent.store import StoreSupervisor
 from slurmft.cli.context import state
 from slurmft.config import ConfigError
+from slurmft.gpu.probe import GpuProbe
 
 app = typer.Typer(
     help="Run on compute nodes: the node agent and the rendezvous store.", no_args_is_help=True
@@ -102,7 +105,8 @@ def run(  # noqa: PLR0917 (typer: one parameter per option)
         stop_grace_s=config["agent.stop_grace_s"],
         stack_wait_s=config["agent.stack_dump_wait_s"],
     )
-    agent = NodeAgent(settings)
+    gpu = GpuProbe.from_config(config, since_monotonic_s=time.monotonic())
+    agent = NodeAgent(settings, probe=NodeGpuProbe(gpu))
     _install_stop_signals(agent)
     raise typer.Exit(int(agent.run()))
 

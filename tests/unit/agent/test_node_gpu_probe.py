@@ -1,0 +1,30 @@
+"""The agent's preflight over slurmft.gpu: only drain-class conditions keep a node out."""
+
+from __future__ import annotations
+
+import pytest
+
+from slurmft.agent.probe import NodeGpuProbe
+from slurmft.gpu import GpuProbe, InjectionSource
+
+
+def _probe(spec: str) -> NodeGpuProbe:
+    return NodeGpuProbe(GpuProbe([InjectionSource(spec)]))
+
+
+def test_xid_79_makes_the_node_unfit_with_a_readable_reason() -> None:
+    report = _probe("xid=79,gpu=3").probe()
+    assert not report.fit
+    ((fault),) = report.faults
+    assert (fault.xid, fault.gpu_index) == (79, 3)
+    assert fault.message.startswith("slurmft: Xid 79") and fault.message.endswith("(GPU 3)")
+
+
+@pytest.mark.parametrize("spec", ["xid=13,gpu=0", "kind=clock_slowdown,gpu=0,reasons=0x40", ""])
+def test_restart_class_and_record_only_faults_do_not_keep_the_node_out(spec: str) -> None:
+    assert _probe(spec).probe().fit
+
+
+def test_a_probe_with_nothing_to_report_leaves_the_node_fit() -> None:
+    report = NodeGpuProbe(GpuProbe([])).probe()
+    assert report.fit
