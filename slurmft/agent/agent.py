@@ -53,6 +53,7 @@ class AgentSettings:
     max_clock_skew_s: float = 1.0
     stop_grace_s: float = 15.0
     stack_wait_s: float = 3.0
+    gpu_poll_s: float = 5.0
     python: str = sys.executable
 
     @property
@@ -88,6 +89,7 @@ class AgentState:
     stop_reason: str = ""
     restart_requested: str = ""  # a restart_workers command not yet carried out
     last_commanded_restart: float = float("-inf")
+    gpu_checked_at: float = float("-inf")
 
 
 class NodeAgent:
@@ -152,9 +154,9 @@ class NodeAgent:
         report = self.probe.probe()
         if not report.has_gpus:
             log.info("%s", report.note or "no GPU on this node")
-        for fault in report.faults:
+        for fault in report.faults:  # the preflight passes on drain-class conditions only
             self.event(EventKind.GPU_FAULT, fault.message, fault_class=FaultClass.HARDWARE,
-                       gpu_index=fault.gpu_index, xid=fault.xid)
+                       gpu_index=fault.gpu_index, xid=fault.xid, action="drain")
         if not report.fit:
             self.event(EventKind.PREFLIGHT_FAILED, "GPU preflight failed: node unfit to train",
                        fault_class=FaultClass.HARDWARE)
@@ -214,6 +216,7 @@ class NodeAgent:
             self._take_reports(channel)
             if returncode is not None:
                 return self._exit_code(returncode)
+            self._report_gpu_faults()
             self._kill_hung_workers()
             if self._stop.wait(POLL_S):
                 self._stop_torchrun(process)
@@ -247,6 +250,23 @@ class NodeAgent:
         for worker in self.state.workers.values():  # workers orphaned by a killed torchrun
             if is_alive(worker.pid):
                 kill_tree(worker.pid)
+
+    def _report_gpu_faults(self) -> None:
+        """GPU faults found during the run go to the daemon, which drains and excludes the
+        node for drain-class ones (its `leave` command then brings a spare in)."""
+        now = time.monotonic()
+        if now - self.state.gpu_checked_at < self.settings.gpu_poll_s:
+            return
+        self.state.gpu_checked_at = now
+        try:
+            faults = self.probe.new_faults()
+        except Exception:  # a broken probe must never take training down with it
+            log.exception("GPU probe failed; training goes on")
+            return
+        for fault in faults:
+            self.event(EventKind.GPU_FAULT, fault.message,
+                       fault_class=FaultClass(fault.fault_class), gpu_index=fault.gpu_index,
+                       xid=fault.xid, action=fault.action)
 
     # -- rank reports and hangs -------------------------------------------------------------------
     def _take_reports(self, channel: RankChannelServer) -> None:

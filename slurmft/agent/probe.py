@@ -30,8 +30,24 @@ class GpuReport:
         return not self.faults
 
 
+@dataclass(frozen=True)
+class RunGpuFault:
+    """A GPU fault seen during the run, with what the classification table says it calls for
+    (``drain``, ``restart_app`` or ``record``): the daemon acts on it."""
+
+    message: str
+    action: str
+    gpu_index: int | None = None
+    xid: int | None = None
+    fault_class: str = "hardware"
+
+
 class Probe(Protocol):
     def probe(self) -> GpuReport: ...
+
+    def new_faults(self) -> list[RunGpuFault]:
+        """Faults not reported before (polled during the run)."""
+        ...
 
 
 class NoGpuProbe:
@@ -39,6 +55,9 @@ class NoGpuProbe:
 
     def probe(self) -> GpuReport:
         return GpuReport(has_gpus=False, note="no GPU on this node: GPU checks skipped")
+
+    def new_faults(self) -> list[RunGpuFault]:
+        return []
 
 
 class NodeGpuProbe:
@@ -53,5 +72,21 @@ class NodeGpuProbe:
         report = self.gpu_probe.check()
         faults = tuple(GpuFault(f.drain_reason(), f.gpu, f.xid) for f in report.drain_faults)
         # Injected faults show even where there is no GPU: a test drives an emulated node so.
-        return GpuReport(has_gpus=not report.no_gpu, gpu_count=report.gpu_count,
-                         faults=faults, note=report.no_gpu_reason if report.no_gpu else "")
+        return GpuReport(
+            has_gpus=not report.no_gpu,
+            gpu_count=report.gpu_count,
+            faults=faults,
+            note=report.no_gpu_reason if report.no_gpu else "",
+        )
+
+    def new_faults(self) -> list[RunGpuFault]:
+        return [
+            RunGpuFault(
+                f.drain_reason().removeprefix("slurmft: "),
+                f.action.value,
+                f.gpu,
+                f.xid,
+                f.fault_class,
+            )
+            for f in self.gpu_probe.new_faults()
+        ]

@@ -104,6 +104,7 @@ def run(  # noqa: PLR0917 (typer: one parameter per option)
         max_clock_skew_s=config["agent.max_clock_skew_s"],
         stop_grace_s=config["agent.stop_grace_s"],
         stack_wait_s=config["agent.stack_dump_wait_s"],
+        gpu_poll_s=config["gpu.poll_interval_s"],
     )
     gpu = GpuProbe.from_config(config, since_monotonic_s=time.monotonic())
     agent = NodeAgent(settings, probe=NodeGpuProbe(gpu))

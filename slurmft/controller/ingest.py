@@ -132,6 +132,8 @@ def _store(
             node=batch.node,
             rank=event.rank,
             fault_class=FaultClass(event.fault_class) if event.fault_class else None,
+            xid=_int_or_none(event.details.get("xid")),
+            gpu_index=_int_or_none(event.details.get("gpu_index")),
             details={**event.details, "agent_id": batch.agent_id},
             source="agent",
             occurred_at=utc(event.occurred_at),
@@ -158,3 +160,8 @@ def _commands(session: Session, run: Run, node: str) -> list[Command]:
     for action in pending:  # delivered now: the agent acts on it with this reply
         finish_action(action, ActionStatus.DONE)
     return [Command(CommandKind.RESTART_WORKERS.value, pending[-1].reason)] if pending else []
+
+
+def _int_or_none(value: object) -> int | None:
+    """An Xid or GPU index from an agent's event details; anything else is not one."""
+    return value if isinstance(value, int) and not isinstance(value, bool) else None

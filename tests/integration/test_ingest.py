@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import http.client
 import json
 import time
@@ -252,3 +253,26 @@ def test_garbage_never_gets_past_validation(
     status, data = _post(server, body, tokens["r1"])
     assert status in {400, 403}, data
     assert _count(database, StepTime) == 0
+
+
+def test_a_gpu_fault_from_an_agent_keeps_its_xid_gpu_and_action(
+    database: Database, server: IngestServer, tokens: dict[str, str]
+) -> None:
+    fault = AgentEvent(
+        kind="gpu_fault",
+        occurred_at=NOW,
+        message="Xid 79 GPU has fallen off the bus (GPU 3)",
+        fault_class="hardware",
+        details={"xid": 79, "gpu_index": 3, "action": "drain"},
+    )
+    batch = dataclasses.replace(_batch(), events=(fault,))
+    assert _post(server, batch.to_json(), tokens["r1"])[0] == 200
+    with database.session() as s:
+        event = s.scalars(select(Event)).one()
+        assert (event.kind.value, event.xid, event.gpu_index, event.node) == (
+            "gpu_fault",
+            79,
+            3,
+            "n2",
+        )
+        assert event.details["action"] == "drain"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from slurmft.agent.probe import NodeGpuProbe
@@ -28,3 +30,18 @@ def test_restart_class_and_record_only_faults_do_not_keep_the_node_out(spec: str
 def test_a_probe_with_nothing_to_report_leaves_the_node_fit() -> None:
     report = NodeGpuProbe(GpuProbe([])).probe()
     assert report.fit
+
+
+def test_faults_during_the_run_are_streamed_once_with_their_action(tmp_path: Path) -> None:
+    faults = tmp_path / "inject"
+    faults.write_text("")
+    probe = NodeGpuProbe(GpuProbe([InjectionSource(str(faults))]))
+    assert probe.new_faults() == []
+    faults.write_text("xid=79,gpu=3\nxid=13,gpu=1\n")
+    streamed = probe.new_faults()
+    assert sorted((f.xid, f.gpu_index, f.action) for f in streamed) == [
+        (13, 1, "restart_app"),
+        (79, 3, "drain"),
+    ]
+    assert all(not f.message.startswith("slurmft:") for f in streamed)
+    assert probe.new_faults() == []  # each once
