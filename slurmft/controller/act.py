@@ -17,11 +17,12 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from slurmft.controller import views as v
 from slurmft.db import Database
-from slurmft.db.models import ActionKind, ActionStatus, Run
+from slurmft.db.models import Action, ActionKind, ActionStatus, Run
 from slurmft.db.records import denylist_add, finish_action, plan_action, record_event
 from slurmft.db.states import RunState
 from slurmft.slurm.api import SlurmClient, SlurmError, SlurmPermissionDenied
@@ -88,10 +89,14 @@ class Executor:
             )
             return Outcome(action, ActionStatus.DONE)
         kind, node, effect = self._plan(session, action)
+        observe_only = self._observe_only and not _records_an_end(action)
+        if observe_only and _skipped_before(session, kind, node, action):
+            # Nothing changes when nothing is done: the same decision comes every pass.
+            return Outcome(action, ActionStatus.SKIPPED, OBSERVE_ONLY)
         row = plan_action(
             session, kind, action.reason, run_id=action.run_id, node=node, evidence=action.evidence
         )
-        if self._observe_only and not _records_an_end(action):
+        if observe_only:
             finish_action(row, ActionStatus.SKIPPED, error=OBSERVE_ONLY)
             return Outcome(action, ActionStatus.SKIPPED, OBSERVE_ONLY)
         if effect is None:  # delivered to the agent with its next report
@@ -167,6 +172,22 @@ class Executor:
         if run is not None and not run.state.is_terminal:
             run.state = state
             run.end_reason = action.reason
+
+
+def _skipped_before(session: Session, kind: ActionKind, node: str | None, action: v.Action) -> bool:
+    """This very decision (run, kind, node, reason) was recorded as skipped already."""
+    found = session.scalars(
+        select(Action.id)
+        .where(
+            Action.run_id == action.run_id if action.run_id else Action.run_id.is_(None),
+            Action.kind == kind,
+            Action.node == node if node else Action.node.is_(None),
+            Action.reason == action.reason,
+            Action.status == ActionStatus.SKIPPED,
+        )
+        .limit(1)
+    ).first()
+    return found is not None
 
 
 def _records_an_end(action: v.Action) -> bool:

@@ -188,3 +188,22 @@ def test_observe_only_still_records_the_end_of_a_run_whose_job_ended(
     with database.session() as s:
         run = s.get(Run, run_id)
         assert run is not None and run.state is RunState.COMPLETED
+
+
+def test_observe_only_records_a_repeated_decision_once(database: Database, run_id: str) -> None:
+    # A dead batch host stays dead while nothing is done: the same pair comes every pass.
+    reason = "slurmft: batch host n1 of job 7 is down"
+    decided = [
+        v.ExcludeNode(run_id, reason, node="n1"),
+        v.RequeueJob(run_id, reason, job_id="7", exclude=frozenset({"n1"})),
+    ]
+    executor = Executor(database, RecordingSlurm(), observe_only=True)  # type: ignore[arg-type]
+    for _ in range(3):
+        outcomes = executor.execute(decided)
+        assert {o.status for o in outcomes} == {ActionStatus.SKIPPED}
+    assert _actions(database) == [
+        (ActionKind.AGENT_LEAVE, "n1", ActionStatus.SKIPPED, OBSERVE_ONLY),
+        (ActionKind.REQUEUE, None, ActionStatus.SKIPPED, OBSERVE_ONLY),
+    ]
+    executor.execute([v.ExcludeNode(run_id, "slurmft: node n2 lost (active)", node="n2")])
+    assert len(_actions(database)) == 3  # a new decision is a new row

@@ -15,7 +15,7 @@ from local_cluster import Cluster, wait_for
 from sqlalchemy import func, select
 
 from slurmft.controller.act import OBSERVE_ONLY
-from slurmft.db.models import ActionKind, ActionStatus, DenylistEntry, Event, EventKind
+from slurmft.db.models import Action, ActionKind, ActionStatus, DenylistEntry, Event, EventKind
 from slurmft.db.states import RunState
 
 pytestmark = [pytest.mark.slurm, pytest.mark.torch]
@@ -93,5 +93,8 @@ def test_observe_only_records_the_node_loss_and_acts_on_nothing(
         assert s.scalar(select(func.count()).select_from(DenylistEntry)) == 0
     acted = [(a.kind, a.status) for a in run.actions() if a.status is not ActionStatus.SKIPPED]
     assert acted == [(ActionKind.FINISH_RUN, ActionStatus.DONE)]
+    # One row per decision, not one per control pass while nothing changes.
+    leaves = run.actions(Action.kind == ActionKind.AGENT_LEAVE)
+    assert [(a.node, a.status) for a in leaves] == [(victim, ActionStatus.SKIPPED)]
     assert len(cluster.client.jobs([run.job_id])) == 1
     run.database.dispose()
