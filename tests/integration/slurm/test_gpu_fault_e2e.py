@@ -1,0 +1,125 @@
+"""An Xid 79 on an active node of a running job (injected through the GPU probe, the way a real
+driver reports it to the node's agent): the daemon drains the node in Slurm with the Xid in the
+reason, denylists it, the agent leaves, a spare takes over at the same world size, and the run
+completes."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from daemon_process import DaemonProcess, daemon_env, slurmft
+from local_cluster import Cluster, wait_for
+from sqlalchemy import select
+
+from slurmft.db import Database
+from slurmft.db.models import Action, ActionKind, ActionStatus, Event, EventKind, RankHeartbeat
+from slurmft.db.records import denied_nodes
+
+pytestmark = [pytest.mark.slurm, pytest.mark.torch]
+
+TINY = [
+    "--steps",
+    "60",
+    "--ckpt-every",
+    "5",
+    "--work-ms",
+    "150",
+    "--heartbeat-interval-s",
+    "1",
+    "--pg-timeout-s",
+    "30",
+]
+
+
+@pytest.fixture
+def daemon(tmp_path: Path) -> Iterator[DaemonProcess]:
+    env = daemon_env(tmp_path)
+    slurmft(env, "db", "upgrade")
+    process = DaemonProcess(env, tmp_path / "daemon.log")
+    process.start()
+    yield process
+    process.stop_if_running()
+
+
+def _losses(out: Path) -> list[dict[str, Any]]:
+    path = out / "losses.jsonl"
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+
+def _nodes_by_rank(database: Database, run_id: str) -> dict[int, str]:
+    with database.session() as s:
+        rows = s.scalars(select(RankHeartbeat).where(RankHeartbeat.run_id == run_id)).all()
+        return {hb.rank: hb.node for hb in rows}
+
+
+def test_xid_79_drains_the_node_and_a_spare_takes_over(
+    cluster: Cluster, daemon: DaemonProcess, tmp_path: Path
+) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o777)
+    inject = shared / "gpu-faults"
+    inject.write_text("")
+    spec = tmp_path / "run.toml"
+    script = [
+        "-m",
+        "slurmft.train.examples.tiny",
+        "--ckpt-dir",
+        str(shared / "ckpt"),
+        "--out-dir",
+        str(shared / "out"),
+        *TINY,
+    ]
+    spec.write_text(
+        f'name = "xid79"\nnodes = 3\nspares = 1\nckpt_dir = "{shared / "ckpt"}"\n'
+        f'script = {json.dumps(script)}\n[env]\nSLURMFT_GPU_INJECT = "{inject}"\n'
+        'SLURMFT_GPU_POLL_INTERVAL_S = "1"\n'
+    )
+    submitted = json.loads(slurmft(daemon.env, "submit", "--spec", str(spec), "--json"))
+    run_id, job_id = submitted["run_id"], submitted["job_id"]
+    cluster._jobs.append(job_id)
+    database = Database(f"sqlite:///{daemon.env['SLURMFT_PATHS_STATE_DIR']}/slurmft.db")
+
+    wait_for(
+        "training, reported by three ranks",
+        lambda: _nodes_by_rank(database, run_id),
+        lambda ranks: len(ranks) == 3 and any(r["step"] >= 10 for r in _losses(shared / "out")),
+        timeout_s=180,
+    )
+    batch_host = cluster.client.job(job_id).batch_host
+    victim = sorted(set(_nodes_by_rank(database, run_id).values()) - {batch_host})[0]
+    cluster._drained.add(victim)  # resumed by the fixture whatever happens
+    inject.write_text(f"xid=79,gpu=3,node={victim}\n")
+
+    reason = "slurmft: Xid 79 GPU fell off the bus (GPU 3)"
+    wait_for(
+        "the drain in Slurm",
+        lambda: cluster.client.node(victim),
+        lambda node: node.status.drain_requested,
+        timeout_s=60,
+    )
+    assert cluster.client.node(victim).reason.startswith(reason)
+    wait_for(
+        "a spare to train in its place",
+        lambda: _nodes_by_rank(database, run_id),
+        lambda ranks: victim not in ranks.values() and len(ranks) == 3,
+        timeout_s=120,
+    )
+    with database.session() as s:
+        assert victim in denied_nodes(s)  # kept out of every later submission and requeue
+        (event,) = s.scalars(select(Event).where(Event.kind == EventKind.GPU_FAULT)).all()
+        assert (event.node, event.xid, event.gpu_index) == (victim, 79, 3)
+        kinds = {a.kind: a for a in s.scalars(select(Action).where(Action.node == victim))}
+        assert kinds[ActionKind.DRAIN_NODE].status is ActionStatus.DONE
+        assert kinds[ActionKind.AGENT_LEAVE].reason.startswith(reason)
+    wait_for(
+        "the run to complete",
+        lambda: _losses(shared / "out"),
+        lambda records: any(r["step"] == 60 for r in records),
+        timeout_s=240,
+    )
+    assert {r["world_size"] for r in _losses(shared / "out")} == {3}
+    database.dispose()
