@@ -13,9 +13,12 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import functools
 import os
 import signal
 import sys
+from collections.abc import Callable
+from typing import Any
 
 from slurmft.agent.exits import AgentExit
 
@@ -86,6 +89,28 @@ def survive_rank_signals() -> None:
         signal.signal(signum, lambda *_: None)
 
 
+def succeed_on_graceful_exit(run: Callable[..., Any], success: Callable[[], Any]) -> Any:
+    """torch 2.13: a spare still waiting when training ends leaves the rendezvous gracefully and
+    `SimpleElasticAgent.run` returns None, on which `launch_agent` crashes (`None.is_failed()`),
+    so torchrun exits 1 and the batch step would relaunch against a closed rendezvous until the
+    restart budget gives up. A graceful exit means the run is over: report success."""
+
+    @functools.wraps(run)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        result = run(*args, **kwargs)
+        return success() if result is None else result
+
+    return wrapper
+
+
+def patch_graceful_exit() -> None:
+    from torch.distributed.elastic.agent.server import api  # noqa: TID251
+
+    api.SimpleElasticAgent.run = succeed_on_graceful_exit(  # type: ignore[method-assign]
+        api.SimpleElasticAgent.run, lambda: api.RunResult(state=api.WorkerState.SUCCEEDED)
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     die_with_parent()
     survive_rank_signals()
@@ -93,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     refused = prepare_rendezvous(options.wait_list_fix, options.spare_candidate)
     if refused is not None:
         return int(refused)
+    patch_graceful_exit()
     from torch.distributed.run import main as torchrun_main  # noqa: TID251
 
     torchrun_main(torchrun_args)

@@ -149,3 +149,50 @@ def _run(database: Database, run_id: str) -> Run:
         run = s.get(Run, run_id)
         assert run is not None
         return run
+
+
+def test_a_run_without_failures_completes_with_its_spare_unused(
+    cluster: Cluster, daemon: DaemonProcess, tmp_path: Path
+) -> None:
+    """The spare is still waiting when training ends: the run is COMPLETED, not a failure."""
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o777)
+    submitted = json.loads(
+        slurmft(
+            daemon.env,
+            "submit",
+            "--nodes",
+            "3",
+            "--spares",
+            "1",
+            "--ckpt-dir",
+            str(shared / "ckpt"),
+            "--name",
+            "happy",
+            "--json",
+            "--",
+            "-m",
+            "slurmft.train.examples.tiny",
+            "--ckpt-dir",
+            str(shared / "ckpt"),
+            "--out-dir",
+            str(shared / "out"),
+            "--steps",
+            "15",
+            "--ckpt-every",
+            "5",
+            "--heartbeat-interval-s",
+            "1",
+        )
+    )
+    cluster._jobs.append(submitted["job_id"])
+    database = Database(f"sqlite:///{daemon.env['SLURMFT_PATHS_STATE_DIR']}/slurmft.db")
+    run, _ = wait_for(
+        "the run to end",
+        lambda: _run(database, submitted["run_id"]),
+        lambda r: r.state.is_terminal,
+        timeout_s=180,
+    )
+    assert (run.state, run.end_reason) == (RunState.COMPLETED, "the training script finished")
+    assert sorted({r["step"] for r in _losses(shared / "out")}) == list(range(1, 16))
+    database.dispose()
