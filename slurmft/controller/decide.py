@@ -265,8 +265,17 @@ def _gpu_faults(
         # Restart-class Xids are usually the application's own bug: the node leaves only when
         # it is a lemon (such Xids on it across different runs).
         lemon = fault.action is FaultAction.RESTART_APP and fault.node in view.lemons
+        if fault.action is FaultAction.RESTART_APP and not lemon:
+            # The application must restart (a fresh CUDA context); the node stays. If the
+            # fault already crashed it, torchrun has restarted it and this finds it healthy.
+            actions.append(
+                RestartWorkers(
+                    run.run_id, f"{reason}: restart the application", evidence, node=fault.node
+                )
+            )
+            continue
         if fault.action is not FaultAction.DRAIN and not lemon:
-            continue  # torchrun restarts the workers in place; the node stays
+            continue  # record only
         if lemon:
             reason = (
                 f"slurmft: lemon {fault.node}: restart-class Xids in several runs "

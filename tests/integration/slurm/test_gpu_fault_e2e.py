@@ -123,3 +123,65 @@ def test_xid_79_drains_the_node_and_a_spare_takes_over(
     )
     assert {r["world_size"] for r in _losses(shared / "out")} == {3}
     database.dispose()
+
+
+def test_xid_13_restarts_the_run_and_the_node_stays(
+    cluster: Cluster, daemon: DaemonProcess, tmp_path: Path
+) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o777)
+    inject = shared / "gpu-faults"
+    inject.write_text("")
+    spec = tmp_path / "run.toml"
+    script = [
+        "-m",
+        "slurmft.train.examples.tiny",
+        "--ckpt-dir",
+        str(shared / "ckpt"),
+        "--out-dir",
+        str(shared / "out"),
+        *TINY,
+    ]
+    spec.write_text(
+        f'name = "xid13"\nnodes = 3\nspares = 1\nckpt_dir = "{shared / "ckpt"}"\n'
+        f'script = {json.dumps(script)}\n[env]\nSLURMFT_GPU_INJECT = "{inject}"\n'
+        'SLURMFT_GPU_POLL_INTERVAL_S = "1"\n'
+    )
+    submitted = json.loads(slurmft(daemon.env, "submit", "--spec", str(spec), "--json"))
+    run_id, job_id = submitted["run_id"], submitted["job_id"]
+    cluster._jobs.append(job_id)
+    database = Database(f"sqlite:///{daemon.env['SLURMFT_PATHS_STATE_DIR']}/slurmft.db")
+    wait_for(
+        "training, reported by three ranks",
+        lambda: _nodes_by_rank(database, run_id),
+        lambda ranks: len(ranks) == 3 and any(r["step"] >= 10 for r in _losses(shared / "out")),
+        timeout_s=180,
+    )
+    node = sorted(set(_nodes_by_rank(database, run_id).values()))[0]
+    inject.write_text(f"xid=13,gpu=0,node={node}\n")
+
+    def restarts() -> list[Event]:
+        with database.session() as s:
+            return list(
+                s.scalars(
+                    select(Event).where(Event.kind == EventKind.RESTART, Event.node == node)
+                ).all()
+            )
+
+    wait_for(f"the workers on {node} to restart", restarts, bool, timeout_s=90)
+    wait_for(
+        "the run to complete",
+        lambda: _losses(shared / "out"),
+        lambda records: any(r["step"] == 60 for r in records),
+        timeout_s=240,
+    )
+    assert not cluster.client.node(node).status.drain_requested  # the node stays
+    with database.session() as s:
+        assert node not in denied_nodes(s, run_id=run_id)
+        (event,) = s.scalars(select(Event).where(Event.kind == EventKind.GPU_FAULT)).all()
+        assert (event.node, event.xid) == (node, 13)
+        (action,) = s.scalars(select(Action).where(Action.node == node)).all()
+        assert (action.kind, action.status) == (ActionKind.RESTART_WORKERS, ActionStatus.DONE)
+    assert set(_nodes_by_rank(database, run_id).values()) >= {node}
+    assert {r["world_size"] for r in _losses(shared / "out")} == {3}
+    database.dispose()

@@ -152,7 +152,7 @@ CASES = [
     (
         "Xid 13 in one run: the run restarts, the node stays",
         _view(_run(gpu_faults=(XID13,))),
-        [("RecordEvent", "gpu_fault@n2")],
+        [("RecordEvent", "gpu_fault@n2"), ("RestartWorkers", "n2")],
     ),
     (
         "Xid 13 on a node judged a lemon (across runs): excluded and drained",
@@ -162,7 +162,7 @@ CASES = [
     (
         "Xid 13 while another node is the lemon: this node stays",
         _view(_run(gpu_faults=(XID13,)), lemons=frozenset({"n5"})),
-        [("RecordEvent", "gpu_fault@n2")],
+        [("RecordEvent", "gpu_fault@n2"), ("RestartWorkers", "n2")],
     ),
     (
         "drain refused by the rate limit: exclude and tell a human",
