@@ -15,6 +15,7 @@ from daemon_process import DaemonProcess, daemon_env, slurmft
 from local_cluster import Cluster, wait_for
 from sqlalchemy import select
 
+from slurmft.controller.rpc import call
 from slurmft.db import Database
 from slurmft.db.models import Action, ActionKind, ActionStatus, Event, EventKind, RankHeartbeat
 from slurmft.db.records import denied_nodes
@@ -108,8 +109,19 @@ def test_xid_79_drains_the_node_and_a_spare_takes_over(
         lambda ranks: victim not in ranks.values() and len(ranks) == 3,
         timeout_s=120,
     )
+    later = call(
+        daemon.socket_path,
+        "create_run",
+        spec={
+            "name": "later",
+            "nodes": 1,
+            "script": ["train.py"],
+            "ckpt_dir": str(shared / "later"),
+        },
+    )
+    assert victim in later["exclude"]  # every later submission (and requeue) excludes it
     with database.session() as s:
-        assert victim in denied_nodes(s)  # kept out of every later submission and requeue
+        assert victim in denied_nodes(s)
         (event,) = s.scalars(select(Event).where(Event.kind == EventKind.GPU_FAULT)).all()
         assert (event.node, event.xid, event.gpu_index) == (victim, 79, 3)
         kinds = {a.kind: a for a in s.scalars(select(Action).where(Action.node == victim))}
