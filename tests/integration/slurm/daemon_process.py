@@ -6,6 +6,8 @@ import os
 import socket
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -83,3 +85,16 @@ class DaemonProcess:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(timeout=30)
+
+
+@contextmanager
+def running_daemon(tmp_path: Path, **env: str) -> Iterator[DaemonProcess]:
+    """A started daemon on a fresh SQLite store; ``env`` adds or overrides its variables."""
+    full_env = daemon_env(tmp_path) | env
+    slurmft(full_env, "db", "upgrade")
+    process = DaemonProcess(full_env, tmp_path / "daemon.log")
+    process.start()
+    try:
+        yield process
+    finally:
+        process.stop_if_running()

@@ -106,30 +106,22 @@ def submit(
     name: str,
     nodes: int = 3,
     spares: int = 1,
+    env: dict[str, str] | None = None,
 ) -> SubmittedRun:
-    """`slurmft submit` a run of `nodes` + `spares`; `{ckpt}` and `{out}` in the script's
-    arguments become its checkpoint and output directories. The fixture cancels the job."""
+    """`slurmft submit` a run of `nodes` + `spares` (with `env` in the job's environment, through
+    a spec file); `{ckpt}` and `{out}` in the script's arguments become its checkpoint and output
+    directories. The fixture cancels the job."""
     shared = tmp_path / "shared"
     shared.mkdir(mode=0o777)
     ckpt, out = shared / "ckpt", shared / "out"
     argv = [a.replace("{ckpt}", str(ckpt)).replace("{out}", str(out)) for a in script]
-    submitted = json.loads(
-        slurmft(
-            daemon.env,
-            "submit",
-            "--nodes",
-            str(nodes),
-            "--spares",
-            str(spares),
-            "--ckpt-dir",
-            str(ckpt),
-            "--name",
-            name,
-            "--json",
-            "--",
-            *argv,
-        )
+    spec = tmp_path / "run.toml"
+    spec.write_text(
+        f"name = {json.dumps(name)}\nnodes = {nodes}\nspares = {spares}\n"
+        f"ckpt_dir = {json.dumps(str(ckpt))}\nscript = {json.dumps(argv)}\n[env]\n"
+        + "".join(f"{key} = {json.dumps(value)}\n" for key, value in (env or {}).items())
     )
+    submitted = json.loads(slurmft(daemon.env, "submit", "--spec", str(spec), "--json"))
     cluster._jobs.append(submitted["job_id"])  # cancelled by the fixture whatever happens
     database = Database(f"sqlite:///{daemon.env['SLURMFT_PATHS_STATE_DIR']}/slurmft.db")
     return SubmittedRun(submitted["run_id"], submitted["job_id"], shared, database)

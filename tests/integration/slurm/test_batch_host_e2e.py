@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from daemon_process import DaemonProcess, daemon_env, slurmft
+from daemon_process import DaemonProcess, running_daemon
 from e2e_run import TINY, submit
 from local_cluster import Cluster, wait_for
 
@@ -22,12 +22,8 @@ pytestmark = [pytest.mark.slurm, pytest.mark.torch]
 
 @pytest.fixture
 def daemon(tmp_path: Path) -> Iterator[DaemonProcess]:
-    env = daemon_env(tmp_path)
-    slurmft(env, "db", "upgrade")
-    process = DaemonProcess(env, tmp_path / "daemon.log")
-    process.start()
-    yield process
-    process.stop_if_running()
+    with running_daemon(tmp_path) as process:
+        yield process
 
 
 def test_killed_batch_host_is_requeued_without_it_and_the_run_completes(

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from daemon_process import DaemonProcess, daemon_env, slurmft
+from daemon_process import DaemonProcess, running_daemon
 from e2e_run import TINY, submit
 from local_cluster import Cluster, wait_for
 from sqlalchemy import func, select
@@ -23,12 +23,8 @@ pytestmark = [pytest.mark.slurm, pytest.mark.torch]
 
 @pytest.fixture
 def daemon(tmp_path: Path) -> Iterator[DaemonProcess]:
-    env = daemon_env(tmp_path) | {"SLURMFT_DAEMON_OBSERVE_ONLY": "true"}
-    slurmft(env, "db", "upgrade")
-    process = DaemonProcess(env, tmp_path / "daemon.log")
-    process.start()
-    yield process
-    process.stop_if_running()
+    with running_daemon(tmp_path, SLURMFT_DAEMON_OBSERVE_ONLY="true") as process:
+        yield process
 
 
 def test_observe_only_records_the_node_loss_and_acts_on_nothing(

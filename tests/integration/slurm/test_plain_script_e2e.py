@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from daemon_process import DaemonProcess, daemon_env, slurmft
+from daemon_process import DaemonProcess, running_daemon
 from e2e_run import submit
 from local_cluster import REPO, Cluster, wait_for
 
@@ -28,12 +28,8 @@ PACE = ["--ckpt-every", "5", "--work-ms", "150", "--pg-timeout-s", "30"]
 @pytest.fixture
 def daemon(tmp_path: Path) -> Iterator[DaemonProcess]:
     # A short silence threshold: were silence read as a hang, it would show within the run.
-    env = daemon_env(tmp_path) | {"SLURMFT_POLICY_SILENT_AFTER_S": "5"}
-    slurmft(env, "db", "upgrade")
-    process = DaemonProcess(env, tmp_path / "daemon.log")
-    process.start()
-    yield process
-    process.stop_if_running()
+    with running_daemon(tmp_path, SLURMFT_POLICY_SILENT_AFTER_S="5") as process:
+        yield process
 
 
 def _latest_group(starts: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
