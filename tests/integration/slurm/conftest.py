@@ -12,6 +12,7 @@ import pytest
 # tests/ has no packages (importlib import mode): put this folder on the path for its helpers.
 sys.path.insert(0, str(Path(__file__).parent))
 
+from daemon_process import DaemonProcess, running_daemon
 from local_cluster import Cluster
 
 from slurmft.slurm.cli_backend import CliSlurmClient
@@ -36,3 +37,10 @@ def cluster(client: CliSlurmClient, slurm_conf: Path, tmp_path: Path) -> Iterato
         yield cluster
     finally:
         cluster.undo()
+
+
+@pytest.fixture
+def daemon(tmp_path: Path) -> Iterator[DaemonProcess]:
+    """`slurmft daemon` on a fresh SQLite store (tests that need other settings override it)."""
+    with running_daemon(tmp_path) as process:
+        yield process

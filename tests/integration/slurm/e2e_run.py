@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from daemon_process import DaemonProcess, slurmft
-from local_cluster import Cluster
+from local_cluster import Cluster, wait_for
 from sqlalchemy import func, select
 
 from slurmft.db import Database
@@ -91,6 +91,18 @@ class SubmittedRun:
             for row in rows:
                 s.expunge(row)
             return list(rows)
+
+    def wait_training(self, past_step: int = 10) -> None:
+        """Until three ranks report heartbeats and training reached ``past_step`` (a
+        checkpoint lies behind it)."""
+        wait_for(
+            f"training at step {past_step}, reported by three ranks",
+            self.beating_nodes,
+            lambda ranks: (
+                len(ranks) == 3 and any(r["step"] >= past_step for r in self.jsonl("losses.jsonl"))
+            ),
+            timeout_s=180,
+        )
 
     def count_events(self, *where: object) -> int:
         with self.database.session() as s:

@@ -6,11 +6,10 @@ on the other nodes, resumes from the last checkpoint at the same world size, and
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from daemon_process import DaemonProcess, running_daemon
+from daemon_process import DaemonProcess
 from e2e_run import TINY, submit
 from local_cluster import Cluster, wait_for
 
@@ -18,12 +17,6 @@ from slurmft.db.models import Action, ActionKind, ActionStatus, Event, EventKind
 from slurmft.db.states import AttemptState, RunState
 
 pytestmark = [pytest.mark.slurm, pytest.mark.torch]
-
-
-@pytest.fixture
-def daemon(tmp_path: Path) -> Iterator[DaemonProcess]:
-    with running_daemon(tmp_path) as process:
-        yield process
 
 
 def test_killed_batch_host_is_requeued_without_it_and_the_run_completes(
@@ -37,12 +30,7 @@ def test_killed_batch_host_is_requeued_without_it_and_the_run_completes(
         name="batch-host",
         spares=0,  # the requeue, not a spare, is what brings this run back
     )
-    wait_for(
-        "training past a checkpoint, reported by three ranks",
-        run.beating_nodes,
-        lambda ranks: len(ranks) == 3 and any(r["step"] >= 10 for r in run.jsonl("losses.jsonl")),
-        timeout_s=180,
-    )
+    run.wait_training()
     first_nodes = set(cluster.client.job(run.job_id).nodes)
     batch_host = cluster.client.job(run.job_id).batch_host
     assert batch_host in first_nodes

@@ -9,11 +9,10 @@ them to the node's agent.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from daemon_process import DaemonProcess, running_daemon
+from daemon_process import DaemonProcess
 from e2e_run import TINY, SubmittedRun, submit
 from local_cluster import Cluster, wait_for
 
@@ -24,12 +23,6 @@ from slurmft.db.records import denied_nodes
 pytestmark = [pytest.mark.slurm, pytest.mark.torch]
 
 EXAMPLE = ["-m", "slurmft.train.examples.tiny", "--ckpt-dir", "{ckpt}", "--out-dir", "{out}", *TINY]
-
-
-@pytest.fixture
-def daemon(tmp_path: Path) -> Iterator[DaemonProcess]:
-    with running_daemon(tmp_path) as process:
-        yield process
 
 
 def _training(
@@ -46,12 +39,7 @@ def _training(
         name=name,
         env={"SLURMFT_GPU_INJECT": str(inject), "SLURMFT_GPU_POLL_INTERVAL_S": "1"},
     )
-    wait_for(
-        "training, reported by three ranks",
-        run.beating_nodes,
-        lambda ranks: len(ranks) == 3 and any(r["step"] >= 10 for r in run.jsonl("losses.jsonl")),
-        timeout_s=180,
-    )
+    run.wait_training()
     return run, inject
 
 

@@ -37,12 +37,7 @@ def test_observe_only_records_the_node_loss_and_acts_on_nothing(
         ["-m", "slurmft.train.examples.tiny", "--ckpt-dir", "{ckpt}", "--out-dir", "{out}", *TINY],
         name="observe-only",
     )
-    wait_for(
-        "training, reported by three ranks",
-        run.beating_nodes,
-        lambda ranks: len(ranks) == 3 and any(r["step"] >= 10 for r in run.jsonl("losses.jsonl")),
-        timeout_s=180,
-    )
+    run.wait_training()
     batch_host = cluster.client.job(run.job_id).batch_host
     victim = sorted(set(run.beating_nodes().values()) - {batch_host})[0]
     cluster.kill_node(victim)

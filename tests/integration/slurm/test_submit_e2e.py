@@ -7,11 +7,10 @@ failure completes with its spare unused."""
 from __future__ import annotations
 
 import signal
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from daemon_process import DaemonProcess, running_daemon
+from daemon_process import DaemonProcess
 from e2e_run import TINY, submit
 from local_cluster import Cluster, wait_for
 
@@ -24,22 +23,11 @@ pytestmark = [pytest.mark.slurm, pytest.mark.torch]
 EXAMPLE = ["-m", "slurmft.train.examples.tiny", "--ckpt-dir", "{ckpt}", "--out-dir", "{out}"]
 
 
-@pytest.fixture
-def daemon(tmp_path: Path) -> Iterator[DaemonProcess]:
-    with running_daemon(tmp_path) as process:
-        yield process
-
-
 def test_submit_kill_a_node_spare_takes_over_daemon_restart_run_completes(
     cluster: Cluster, daemon: DaemonProcess, tmp_path: Path
 ) -> None:
     run = submit(cluster, daemon, tmp_path, [*EXAMPLE, *TINY], name="e2e")
-    wait_for(
-        "training, reported by three ranks",
-        run.beating_nodes,
-        lambda ranks: len(ranks) == 3 and any(r["step"] >= 10 for r in run.jsonl("losses.jsonl")),
-        timeout_s=180,
-    )
+    run.wait_training()
     status = call(daemon.socket_path, "status", run_id=run.run_id)
     assert (status["state"], status["job_id"]) == ("running", run.job_id)
 
