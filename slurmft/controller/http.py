@@ -80,7 +80,7 @@ class _Handler(BaseHTTPRequestHandler):
     sample_every: timedelta
     observe: Callable[[int, float], None]
     server_version = "slurmft"
-    _status = 0
+    _started = 0.0
 
     def log_message(self, format: str, *args: object) -> None:
         log.debug("ingest %s " + format, self.client_address[0], *args)
@@ -95,11 +95,8 @@ class _Handler(BaseHTTPRequestHandler):
         if self.path != BATCH_PATH:
             self._error(HTTPStatus.NOT_FOUND, f"no such path {self.path}")
             return
-        started = time.monotonic()
-        try:
-            self._answer_batch()
-        finally:
-            self.observe(self._status, time.monotonic() - started)
+        self._started = time.monotonic()
+        self._answer_batch()
 
     def _answer_batch(self) -> None:
         try:
@@ -132,7 +129,9 @@ class _Handler(BaseHTTPRequestHandler):
         return reply.to_json()
 
     def _reply(self, status: HTTPStatus, body: bytes) -> None:
-        self._status = status
+        if self.command == "POST" and self.path == BATCH_PATH:
+            # Counted before the answer leaves: whoever got it then sees it on /metrics.
+            self.observe(int(status), time.monotonic() - self._started)
         self.send_response(status)
         self.send_header("Content-Type", CONTENT_TYPE)
         self.send_header("Content-Length", str(len(body)))
