@@ -64,11 +64,12 @@ class StepTimer:
     def _section(self, kind: str) -> Iterator[None]:
         if self.heartbeat is not None:
             self.heartbeat.set_section(kind)
-        try:
-            yield from self._timed(kind)
-        finally:
-            if self.heartbeat is not None:
-                self.heartbeat.set_section(None)
+        yield from self._timed(kind)
+        # Reset only on a normal exit. A section left by an error (a collective that timed out)
+        # keeps its name: the heartbeats sent while the process unwinds and exits must still say
+        # "wait", or a victim of the hang would read as a rank stuck outside any collective.
+        if self.heartbeat is not None:
+            self.heartbeat.set_section(None)
 
     def _timed(self, kind: str) -> Iterator[None]:
         if self.use_cuda_events:

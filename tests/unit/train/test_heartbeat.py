@@ -4,6 +4,8 @@ import socket
 import time
 from pathlib import Path
 
+import pytest
+
 from slurmft.train.heartbeat import Heartbeat, Phase, is_overdue
 from slurmft.train.report import ReportChannel, decode
 
@@ -71,3 +73,19 @@ def test_the_thread_sends_periodically_to_the_agent(tmp_path: Path) -> None:
     assert len(messages) >= 3  # about ten; few under heavy load
     assert {m["kind"] for m in messages} == {"heartbeat"}
     assert {m["phase"] for m in messages} == {"init"}
+
+
+@pytest.mark.torch
+def test_a_collective_error_leaves_the_rank_marked_as_waiting() -> None:
+    from slurmft.train.timing import StepTimer
+
+    heartbeat = Heartbeat(silent_channel())
+    timer = StepTimer(heartbeat=heartbeat)
+    timer.start_step(1)
+    with timer.compute():
+        assert heartbeat.message()["section"] == "compute"
+    assert heartbeat.message()["section"] is None
+    with pytest.raises(RuntimeError), timer.wait():
+        raise RuntimeError("[gloo] Timed out waiting 5000ms for recv operation to complete")
+    # Sent while the process exits: still a victim inside the collective, not a suspect.
+    assert heartbeat.message()["section"] == "wait"
