@@ -3,11 +3,18 @@
 The training library installs a faulthandler dump on SIGUSR2 (slurmft.train.stacks): it writes
 from C inside the signal handler, so it works while the main thread is stuck in a collective.
 The agent signals each worker, waits until its stack file stops growing, and keeps the text.
+
+A stopped worker (SIGSTOP, a debugger, a frozen cgroup) cannot run any handler: the dump signal
+stays pending until the process is continued. Such a worker gets SIGCONT right after the dump
+signal: the kernel delivers the pending SIGUSR2 as the process resumes, before its threads go on
+with their own code, so the stacks show where it was stopped. (SIGCONT first would let it run
+on before the dump.) It is killed right after the dump anyway.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,7 +47,11 @@ def dump_stacks(
     """Ask every worker for its stacks; returns within about `wait_s`."""
     paths = {rank: stack_file_path(rank, pid, stacks_dir) for rank, pid in pids_by_rank.items()}
     before = {rank: _size(path) for rank, path in paths.items()}
-    signal_pids(list(pids_by_rank.values()), DEFAULT_SIGNAL)
+    pids = list(pids_by_rank.values())
+    stopped = [pid for pid in pids if is_stopped(pid)]
+    signal_pids(pids, DEFAULT_SIGNAL)
+    # The dump signal first, then continue (see the module's docstring).
+    signal_pids(stopped, signal.SIGCONT)
     deadline = time.monotonic() + wait_s
     last = dict(before)
     stable_since = time.monotonic()
@@ -60,6 +71,15 @@ def dump_stacks(
                 text = stream.read().decode(errors="replace")
         dumps.append(StackDump(rank, pids_by_rank[rank], path, text))
     return dumps
+
+
+def is_stopped(pid: int) -> bool:
+    """Stopped by a signal (state T); a tracer's stop (t) is the tracer's to end."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] == "T"
 
 
 def ensure_dir(path: Path) -> Path:

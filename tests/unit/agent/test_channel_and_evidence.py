@@ -2,19 +2,31 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
+import pytest
+
 from slurmft.agent.channel import RankChannelServer
-from slurmft.agent.evidence import dump_stacks
+from slurmft.agent.evidence import dump_stacks, is_stopped
 from slurmft.protocol import AgentEvent, RankHeartbeat, RankStepTime
 from slurmft.train.report import ReportChannel
 
-IDENTITY = {"rank": 4, "local_rank": 1, "world_size": 8, "run_id": "r", "restart_count": 2,
-            "pid": 777, "host": "n1"}
+IDENTITY = {
+    "rank": 4,
+    "local_rank": 1,
+    "world_size": 8,
+    "run_id": "r",
+    "restart_count": 2,
+    "pid": 777,
+    "host": "n1",
+}
 
 
 def test_rank_messages_become_wire_records() -> None:
@@ -22,8 +34,9 @@ def test_rank_messages_become_wire_records() -> None:
     server = RankChannelServer(path)
     try:
         channel = ReportChannel(path, IDENTITY)
-        channel.send("heartbeat", phase="step", step=9, progress_age_s=0.5, deadline_s=300.0,
-                     overdue=False)
+        channel.send(
+            "heartbeat", phase="step", step=9, progress_age_s=0.5, deadline_s=300.0, overdue=False
+        )
         channel.send("step", step=9, compute_s=0.2, wait_s=0.01, total_s=0.21)
         channel.send("event", event="collective_error", error="Connection reset by peer")
         channel.send("straggler", step=9, straggler_rank=6, group="all", ratio=1.5, window=10)
@@ -58,20 +71,34 @@ stuck_in_a_collective()
 """
 
 
-def test_stacks_of_a_stuck_process_are_collected(tmp_path: Path) -> None:
+@pytest.mark.parametrize("stopped", [False, True], ids=["stuck", "stopped"])
+def test_stacks_of_a_stuck_process_are_collected(tmp_path: Path, stopped: bool) -> None:
+    """A stopped process (SIGSTOP) cannot run its handler until continued: it dumps too."""
     path = tmp_path / "stacks-rank3-pid{}.txt"
     # The file name carries the pid: the child opens a file, which is renamed once its pid is known.
-    child = subprocess.Popen([sys.executable, "-c", STUCK, str(tmp_path / "pending")],
-                             stdout=subprocess.PIPE, text=True)
+    child = subprocess.Popen(
+        [sys.executable, "-c", STUCK, str(tmp_path / "pending")], stdout=subprocess.PIPE, text=True
+    )
     try:
         assert child.stdout is not None and child.stdout.readline().strip() == "ready"
         (tmp_path / "pending").rename(Path(str(path).format(child.pid)))
+        if stopped:
+            os.kill(child.pid, signal.SIGSTOP)
+            _wait_until(lambda: is_stopped(child.pid))
         # The child keeps writing to its open descriptor: the renamed file is its stack file.
         started = time.monotonic()
         (dump,) = dump_stacks({3: child.pid}, tmp_path, wait_s=5)
         assert time.monotonic() - started < 5
         assert dump.rank == 3 and dump.pid == child.pid
         assert "stuck_in_a_collective" in dump.text
+        assert not is_stopped(child.pid)
     finally:
         child.kill()
         child.wait()
+
+
+def _wait_until(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.01)
