@@ -18,9 +18,11 @@ import typer
 
 from slurmft.agent.batch import BatchSpec, job_script, submit_request
 from slurmft.cli.context import echo_json, state
+from slurmft.controller.resubmit import submission_record
 from slurmft.controller.rpc import SOCKET_NAME, call
 from slurmft.controller.spec import RunSpec, SpecError
 from slurmft.slurm import CliSlurmClient, SlurmError
+from slurmft.slurm.api import SubmitRequest
 from slurmft.slurm.script import job_name_for
 
 TOKEN_DIR = ".slurmft"
@@ -104,11 +106,13 @@ def submit(  # noqa: PLR0917 (typer: one parameter per option)
     created = call(socket_path, "create_run", spec=spec.to_dict())
     run_id = created["run_id"]
     try:
-        job_id = _submit_job(cli.config, spec, created)
+        job_id, request = _submit_job(cli.config, spec, created)
     except (SlurmError, OSError) as exc:
         call(socket_path, "fail_run", run_id=run_id, reason=f"submission failed: {exc}")
         raise
-    call(socket_path, "attach_job", run_id=run_id, job_id=job_id)
+    # The daemon keeps what was sent, to send it again (as this user) if Slurm cannot requeue it.
+    submission = submission_record(request, workdir=os.getcwd(), path=os.environ.get("PATH", ""))
+    call(socket_path, "attach_job", run_id=run_id, job_id=job_id, submission=submission)
     if as_json:
         echo_json({"run_id": run_id, "job_id": job_id})
     else:
@@ -118,7 +122,7 @@ def submit(  # noqa: PLR0917 (typer: one parameter per option)
         )
 
 
-def _submit_job(config: Any, spec: RunSpec, created: dict[str, Any]) -> str:
+def _submit_job(config: Any, spec: RunSpec, created: dict[str, Any]) -> tuple[str, SubmitRequest]:
     token_file = _write_token(spec.ckpt_dir, created["token"])
     batch = BatchSpec(
         run_id=created["run_id"],
@@ -146,7 +150,7 @@ def _submit_job(config: Any, spec: RunSpec, created: dict[str, Any]) -> str:
     client = CliSlurmClient(
         slurm_conf=config["slurm.conf"] or None, timeout_s=config["slurm.command_timeout_s"]
     )
-    return client.submit(request)
+    return client.submit(request), request
 
 
 def register(app: typer.Typer) -> None:

@@ -9,6 +9,10 @@ says (the run completed, or its batch step gave up), not an act on the cluster.
 Commands for agents (leave the run, restart your workers) are not pushed: they are rows in the
 store (the run-scoped denylist, planned ``restart_workers`` actions) that the ingest endpoint
 puts into its reply when the agent next reports, so a daemon restart loses none of them.
+
+"A person is needed" is a ``notify`` row too. With a webhook configured it stays ``planned``
+until the webhook job has delivered it (an outbox: nothing is lost while the receiver is down
+or the daemon restarts); without one it is ``done`` at once and shown by `slurmft status`.
 """
 
 from __future__ import annotations
@@ -21,10 +25,11 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from slurmft.controller import views as v
+from slurmft.controller.resubmit import WAITING_FOR_OWNER, SubmissionError
 from slurmft.db import Database
-from slurmft.db.models import Action, ActionKind, ActionStatus, Run
+from slurmft.db.models import Action, ActionKind, ActionStatus, Attempt, Run, utcnow
 from slurmft.db.records import denylist_add, finish_action, plan_action, record_event
-from slurmft.db.states import RunState
+from slurmft.db.states import AttemptState, RunState
 from slurmft.slurm.api import SlurmClient, SlurmError, SlurmPermissionDenied
 
 log = logging.getLogger(__name__)
@@ -39,8 +44,9 @@ class Outcome:
     error: str | None = None
 
 
-# A new Slurm job for a run (its spec, the denylist excluded); returns the Slurm job id.
-Submitter = Callable[[str, frozenset[str]], str]
+# The run's job submitted again, as its owner, these nodes excluded; returns the Slurm job id
+# (slurmft.controller.resubmit.OwnerSubmitter). Raises SubmissionError when it cannot.
+Submitter = Callable[[Run, frozenset[str]], str]
 
 
 class Executor:
@@ -51,11 +57,13 @@ class Executor:
         *,
         observe_only: bool = False,
         submit_attempt: Submitter | None = None,
+        webhook: bool = False,
     ) -> None:
         self._db = database
         self._slurm = slurm
         self._observe_only = observe_only
         self._submit_attempt = submit_attempt
+        self._webhook = webhook  # notify rows wait in the outbox for the webhook job
 
     def execute(self, actions: Sequence[v.Action]) -> list[Outcome]:
         """Run the actions in order, one transaction each, so one failure stops nothing else."""
@@ -101,15 +109,19 @@ class Executor:
             return Outcome(action, ActionStatus.SKIPPED, OBSERVE_ONLY)
         if effect is None:  # delivered to the agent with its next report
             return Outcome(action, ActionStatus.PLANNED)
+        if kind is ActionKind.NOTIFY and self._webhook:
+            return Outcome(action, ActionStatus.PLANNED)  # the webhook job delivers it
         try:
             effect()
-        except SlurmPermissionDenied as exc:
+        except (SlurmPermissionDenied, SubmissionError) as exc:
+            # Not an error to retry: this daemon may not do it. A person has to.
             error = (
                 f"drain requested, not permitted: {exc}"
                 if kind is ActionKind.DRAIN_NODE
                 else str(exc)
             )
             finish_action(row, ActionStatus.SKIPPED, error=error)
+            self._notify(session, action, f"{action.reason}: {error}")
             return Outcome(action, ActionStatus.SKIPPED, error)
         except SlurmError as exc:
             finish_action(row, ActionStatus.FAILED, error=str(exc))
@@ -144,7 +156,11 @@ class Executor:
 
                 return ActionKind.REQUEUE, None, requeue
             case v.SubmitAttempt(exclude=exclude):
-                return ActionKind.RESUBMIT, None, lambda: self._resubmit(action, exclude)
+                return (
+                    ActionKind.RESUBMIT,
+                    None,
+                    lambda: self._resubmit(session, action, exclude),
+                )
             case v.FinishRun(state=state, job_id=job_id):
                 kind = {
                     RunState.STOPPED: ActionKind.STOP_RUN,
@@ -155,13 +171,37 @@ class Executor:
                 return ActionKind.NOTIFY, None, _recorded_only
         raise TypeError(f"no executor for {type(action).__name__}")
 
-    def _resubmit(self, action: v.Action, exclude: frozenset[str]) -> None:
+    def _resubmit(self, session: Session, action: v.Action, exclude: frozenset[str]) -> None:
         if self._submit_attempt is None:
-            raise SlurmError(
-                "this daemon has no way to submit as the run's owner; waiting for the owner"
+            raise SubmissionError(f"this daemon does not submit jobs; {WAITING_FOR_OWNER}")
+        run = session.get(Run, action.run_id)
+        if run is None or run.state.is_terminal:
+            return
+        if isinstance(action, v.SubmitAttempt) and action.charged_in_a_row is not None:
+            run.restarts_without_progress = action.charged_in_a_row
+        job_id = self._submit_attempt(run, exclude)
+        latest = session.scalars(
+            select(Attempt.number).where(Attempt.run_id == run.id).order_by(Attempt.number.desc())
+        ).first()
+        session.add(
+            Attempt(
+                run_id=run.id,
+                number=(latest or 0) + 1,
+                slurm_job_id=job_id,
+                state=AttemptState.SUBMITTED,
+                submitted_at=utcnow(),
             )
-        assert action.run_id is not None
-        self._submit_attempt(action.run_id, exclude)
+        )
+        if run.state is RunState.RUNNING:
+            run.state = RunState.RECOVERING
+
+    def _notify(self, session: Session, action: v.Action, reason: str) -> None:
+        """A person is needed because this daemon could not act (see the module docstring)."""
+        row = plan_action(
+            session, ActionKind.NOTIFY, reason, run_id=action.run_id, evidence=action.evidence
+        )
+        if not self._webhook:
+            finish_action(row, ActionStatus.DONE)
 
     def _finish(
         self, session: Session, action: v.Action, state: RunState, job_id: str | None

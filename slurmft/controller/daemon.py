@@ -38,6 +38,7 @@ from slurmft.controller.http import IngestServer
 from slurmft.controller.metrics import SCHEDULER_EVENTS, DaemonMetrics, TimedRunner
 from slurmft.controller.notify import Notifier
 from slurmft.controller.observe import gather
+from slurmft.controller.resubmit import OwnerSubmitter
 from slurmft.controller.rpc import SOCKET_NAME, RpcServer
 from slurmft.controller.user_ops import operations
 from slurmft.db import Database, DatabaseUnavailable
@@ -78,7 +79,14 @@ class Daemon:
         )
         self.policy = Policy.from_config(config)
         self.executor = Executor(
-            self.database, self.slurm, observe_only=config["daemon.observe_only"]
+            self.database,
+            self.slurm,
+            observe_only=config["daemon.observe_only"],
+            # A job that cannot be requeued is submitted again as the run's owner: as root
+            # or as that very user; any other daemon records "waiting for the owner".
+            submit_attempt=OwnerSubmitter(
+                slurm_conf=conf or None, timeout_s=config["slurm.command_timeout_s"]
+            ),
         )
         self.clock = clock
         self.passes = 0
@@ -110,6 +118,8 @@ class Daemon:
                     now=self.clock(),
                     max_restarts=self.config["policy.max_restarts_without_progress"],
                     lemon_min_runs=self.config["trust.lemon_min_runs"],
+                    bucket=self.policy.straggler_bucket,
+                    buckets=self.policy.straggler_window_buckets,
                 )
         except DatabaseUnavailable as exc:
             log.warning("control pass skipped: %s", exc)

@@ -126,11 +126,7 @@ def _decide_run(run: RunView, view: ClusterView, policy: Policy, gate: _DrainGat
     if job.phase is JobPhase.ENDED:
         return _job_ended(run, job, view)
     if run.budget.exhausted:
-        return [
-            FinishRun(
-                run.run_id, run.budget.stop_reason(), state=RunState.STOPPED, job_id=job.job_id
-            )
-        ]
+        return _stop(run, run.budget.stop_reason(), job_id=job.job_id)
     if job.batch_host_down and job.batch_host:
         return _batch_host_down(run, job, view)
     actions: list[Action] = []
@@ -154,19 +150,28 @@ def _event(run: RunView, key: str, **kwargs: object) -> list[Action]:
     return [RecordEvent(run.run_id, key=key, **kwargs)]  # type: ignore[arg-type]
 
 
+def _stop(run: RunView, reason: str, job_id: str | None = None) -> list[Action]:
+    """The run ends STOPPED (its job cancelled if it still runs), and a person is told."""
+    return [
+        FinishRun(run.run_id, reason, state=RunState.STOPPED, job_id=job_id),
+        NotifyHuman(run.run_id, f"run {run.run_id} stopped: {reason}"),
+    ]
+
+
 def _job_ended(run: RunView, job: JobView, view: ClusterView) -> list[Action]:
     exclude = view.denylist | run.excluded
     end = job.end or JobEnd.FAILED
     if end is JobEnd.FINISHED:
         return [FinishRun(run.run_id, "the training script finished", state=RunState.COMPLETED)]
     if end is JobEnd.GAVE_UP:
-        return [
-            FinishRun(
-                run.run_id,
-                "the batch step stopped at the restart budget: " + run.budget.stop_reason(),
-                state=RunState.STOPPED,
-            )
-        ]
+        return _stop(
+            run, "the batch step stopped at the restart budget: " + run.budget.stop_reason()
+        )
+    # One new job per ended job: the key makes a resubmission that is waiting (for the owner,
+    # or for a failed sbatch to be retried) not come again on every pass.
+    resubmit_key = f"resubmit:{job.job_id}"
+    if resubmit_key in run.reported:
+        return []
     if end is JobEnd.CANCELLED and run.cancel_requested:
         return [FinishRun(run.run_id, "cancelled by its owner", state=RunState.CANCELLED)]
     if end in {JobEnd.TIME_LIMIT, JobEnd.PREEMPTED, JobEnd.CANCELLED}:
@@ -183,14 +188,22 @@ def _job_ended(run: RunView, job: JobView, view: ClusterView) -> list[Action]:
                 if end is JobEnd.TIME_LIMIT
                 else FaultClass.PREEMPTION,
             ),
-            SubmitAttempt(run.run_id, reason, exclude=exclude),
+            SubmitAttempt(run.run_id, reason, {"key": resubmit_key}, exclude=exclude),
         ]
     cause = FaultClass.HARDWARE if end is JobEnd.NODE_FAIL else FaultClass.USER_CODE
     budget = run.budget.charge(Restart(cause, node_removed=end is JobEnd.NODE_FAIL))
     if budget.exhausted:
-        return [FinishRun(run.run_id, budget.stop_reason(), state=RunState.STOPPED)]
+        return _stop(run, budget.stop_reason())
     reason = f"job {job.job_id} ended ({end.value}); resubmitting, {budget.remaining} restarts left"
-    return [SubmitAttempt(run.run_id, reason, exclude=exclude)]
+    return [
+        SubmitAttempt(
+            run.run_id,
+            reason,
+            {"key": resubmit_key},
+            exclude=exclude,
+            charged_in_a_row=budget.charged_in_a_row,
+        )
+    ]
 
 
 def _batch_host_down(run: RunView, job: JobView, view: ClusterView) -> list[Action]:
@@ -384,5 +397,6 @@ def _capacity(run: RunView, job: JobView, view: ClusterView, removed: set[str]) 
     return [
         RequeueJob(
             run.run_id, reason, job_id=job.job_id, exclude=view.denylist | run.excluded | removed
-        )
+        ),
+        NotifyHuman(run.run_id, f"spares exhausted: {reason}"),
     ]

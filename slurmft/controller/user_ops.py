@@ -14,6 +14,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from slurmft.controller.ingest import new_run_token
+from slurmft.controller.resubmit import SubmissionError, check_record
 from slurmft.controller.rpc import Operation, RpcError
 from slurmft.controller.spec import RunSpec
 from slurmft.db import Database
@@ -86,6 +87,17 @@ def _user_name(uid: int) -> str:
         return str(uid)
 
 
+def _submission_arg(args: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The job as the client sent it to sbatch (optional), checked before it is stored."""
+    submission = args.get("submission")
+    if submission is None:
+        return None
+    try:
+        return check_record(submission)
+    except SubmissionError as exc:
+        raise RpcError(str(exc)) from None
+
+
 def operations(database: Database, *, controller_url: str = "") -> dict[str, Operation]:
     """The daemon's user-facing operations, bound to its store (and, for new runs, the URL
     its agents report to)."""
@@ -118,10 +130,13 @@ def operations(database: Database, *, controller_url: str = "") -> dict[str, Ope
         job_id = args.get("job_id")
         if not isinstance(job_id, str) or not job_id.strip():
             raise RpcError("a Slurm job id is required")
+        submission = _submission_arg(args)
         with database.session() as session:
             run = _visible(session, uid, args.get("run_id"))
             number = (_latest_attempt(session, run.id) or Attempt(number=0)).number + 1
             session.add(Attempt(run_id=run.id, number=number, slurm_job_id=job_id))
+            if submission is not None:  # what a resubmission sends again (controller.resubmit)
+                run.submission = submission
             return {"run_id": run.id, "attempt": number, "job_id": job_id}
 
     def fail_run(uid: int, args: Mapping[str, Any]) -> dict[str, Any]:

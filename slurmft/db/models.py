@@ -166,9 +166,11 @@ class Run(Base):
     nodes: Mapped[int]
     spares: Mapped[int] = mapped_column(default=0)
     command: Mapped[list[str]]
-    # What `slurmft submit` was given (nodes, spares, time limit, partition, ...): a resubmission
-    # after a time limit or preemption builds the same job from it.
+    # What `slurmft submit` was given (nodes, spares, time limit, partition, ...).
     spec: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    # The job as `slurmft submit` sent it to sbatch (script, options, working directory; see
+    # slurmft.controller.resubmit): a resubmission is that same job, as the run's owner.
+    submission: Mapped[dict[str, Any] | None]
     checkpoint_dir: Mapped[str | None] = mapped_column(Text)
     token_hash: Mapped[str | None] = mapped_column(String(128))
     created_at: Mapped[datetime] = mapped_column(default=utcnow)

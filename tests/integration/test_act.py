@@ -11,9 +11,18 @@ from sqlalchemy import select
 from slurmft.controller import views as v
 from slurmft.controller.act import OBSERVE_ONLY, Executor
 from slurmft.db import Database
-from slurmft.db.models import Action, ActionKind, ActionStatus, Event, EventKind, FaultClass, Run
+from slurmft.db.models import (
+    Action,
+    ActionKind,
+    ActionStatus,
+    Attempt,
+    Event,
+    EventKind,
+    FaultClass,
+    Run,
+)
 from slurmft.db.records import denied_nodes
-from slurmft.db.states import RunState
+from slurmft.db.states import AttemptState, RunState
 from slurmft.slurm.api import SlurmError, SlurmPermissionDenied, SlurmUnreachable
 
 
@@ -92,9 +101,10 @@ def test_drain_without_privilege_is_recorded_as_requested(database: Database, ru
         [v.DrainNode(run_id, XID79, node="n2")]
     )
     assert outcome.status is ActionStatus.SKIPPED
-    ((kind, node, status, error),) = _actions(database)
+    (kind, node, status, error), notice = _actions(database)
     assert (kind, node, status) == (ActionKind.DRAIN_NODE, "n2", ActionStatus.SKIPPED)
     assert error is not None and error.startswith("drain requested, not permitted")
+    assert notice[:3] == (ActionKind.NOTIFY, None, ActionStatus.DONE)  # a person must drain it
 
 
 def test_slurm_down_fails_one_action_and_the_next_still_runs(
@@ -143,12 +153,48 @@ def test_stop_at_the_cap_cancels_the_job_and_ends_the_run(database: Database, ru
     assert _actions(database)[0][:3] == (ActionKind.STOP_RUN, None, ActionStatus.DONE)
 
 
-def test_resubmit_without_a_way_to_submit_says_so(database: Database, run_id: str) -> None:
+def test_resubmit_without_a_way_to_submit_waits_for_the_owner_and_tells_a_human(
+    database: Database, run_id: str
+) -> None:
     (outcome,) = Executor(database, RecordingSlurm()).execute(  # type: ignore[arg-type]
         [v.SubmitAttempt(run_id, "time limit", exclude=frozenset())]
     )
-    assert outcome.status is ActionStatus.FAILED
+    assert outcome.status is ActionStatus.SKIPPED
     assert outcome.error is not None and "waiting for the owner" in outcome.error
+    resubmit, notice = _actions(database)
+    assert resubmit[:3] == (ActionKind.RESUBMIT, None, ActionStatus.SKIPPED)
+    assert notice[:3] == (ActionKind.NOTIFY, None, ActionStatus.DONE)
+
+
+def test_resubmit_opens_the_next_attempt_with_the_new_job(
+    database: Database, seed_run: Callable[..., None]
+) -> None:
+    seed_run(database, "r2", job_id="7")
+    submitted: list[tuple[str, frozenset[str]]] = []
+
+    def submit(run: Run, exclude: frozenset[str]) -> str:
+        submitted.append((run.id, exclude))
+        return "8"
+
+    (outcome,) = Executor(database, RecordingSlurm(), submit_attempt=submit).execute(  # type: ignore[arg-type]
+        [v.SubmitAttempt("r2", "job 7 ended (time_limit)", exclude=frozenset({"n4"}))]
+    )
+    assert outcome.status is ActionStatus.DONE
+    assert submitted == [("r2", frozenset({"n4"}))]
+    with database.session() as s:
+        attempts = s.scalars(select(Attempt).order_by(Attempt.number)).all()
+        assert [(a.number, a.slurm_job_id) for a in attempts] == [(1, "7"), (2, "8")]
+        assert attempts[1].state is AttemptState.SUBMITTED
+        run = s.get(Run, "r2")
+        assert run is not None and run.state is RunState.RECOVERING
+
+
+def test_a_webhook_leaves_notices_in_the_outbox(database: Database, run_id: str) -> None:
+    outcomes = Executor(database, RecordingSlurm(), webhook=True).execute(  # type: ignore[arg-type]
+        [v.NotifyHuman(run_id, "drain of n2 refused by the rate limits")]
+    )
+    assert [o.status for o in outcomes] == [ActionStatus.PLANNED]
+    assert _actions(database) == [(ActionKind.NOTIFY, None, ActionStatus.PLANNED, None)]
 
 
 def test_observe_only_records_everything_and_acts_on_nothing(

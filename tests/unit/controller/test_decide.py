@@ -125,9 +125,14 @@ CASES = [
         [],
     ),
     (
-        "lost node with no spare left: requeue without it and the denylist",
+        "lost node with no spare left: requeue without it and the denylist, tell a human",
         _view(_run(nodes=_nodes(spares=0, lost=("n2",))), denylist=frozenset({"n9"})),
-        [("RecordEvent", "node_lost@n2"), ("ExcludeNode", "n2"), ("RequeueJob", "n2,n9")],
+        [
+            ("RecordEvent", "node_lost@n2"),
+            ("ExcludeNode", "n2"),
+            ("RequeueJob", "n2,n9"),
+            ("NotifyHuman", ""),
+        ],
     ),
     (
         "node drained by someone else: leave it, never undo it",
@@ -224,6 +229,16 @@ CASES = [
         [("RecordEvent", "preempted"), ("SubmitAttempt", "")],
     ),
     (
+        "ended job already resubmitted (or waiting for its owner): not again",
+        _view(
+            _run(
+                job=JobView("101", JobPhase.ENDED, JobEnd.TIME_LIMIT),
+                reported=frozenset({"end:101", "resubmit:101"}),
+            )
+        ),
+        [],
+    ),
+    (
         "cancelled by its owner: done",
         _view(_run(job=JobView("101", JobPhase.ENDED, JobEnd.CANCELLED), cancel_requested=True)),
         [("FinishRun", "cancelled")],
@@ -241,12 +256,12 @@ CASES = [
                 budget=RestartBudget(charged_in_a_row=5),
             )
         ),
-        [("FinishRun", "stopped")],
+        [("FinishRun", "stopped"), ("NotifyHuman", "")],
     ),
     (
-        "batch step gave up: stopped",
+        "batch step gave up: stopped, a human told",
         _view(_run(job=JobView("101", JobPhase.ENDED, JobEnd.GAVE_UP))),
-        [("FinishRun", "stopped")],
+        [("FinishRun", "stopped"), ("NotifyHuman", "")],
     ),
     (
         "owner cancels a running run: cancel the job, end the run",
@@ -259,9 +274,9 @@ CASES = [
         [("FinishRun", "cancelled")],
     ),
     (
-        "running past the cap: stop and cancel",
+        "running past the cap: stop and cancel, a human told",
         _view(_run(budget=RestartBudget(charged_in_a_row=6))),
-        [("FinishRun", "stopped")],
+        [("FinishRun", "stopped"), ("NotifyHuman", "")],
     ),
 ]
 
@@ -309,9 +324,22 @@ def test_stopped_run_cancels_its_job_with_the_budget_reason() -> None:
     budget = RestartBudget()
     for _ in range(6):
         budget = budget.charge(Restart(FaultClass.USER_CODE))
-    (action,) = decide(_view(_run(budget=budget)), POLICY)
+    action, notice = decide(_view(_run(budget=budget)), POLICY)
     assert isinstance(action, FinishRun) and action.state is RunState.STOPPED
     assert action.job_id == "101" and "restarts in a row without progress" in action.reason
+    assert isinstance(notice, NotifyHuman) and action.reason in notice.reason
+
+
+def test_a_failed_job_charges_the_budget_it_resubmits_with() -> None:
+    view = _view(
+        _run(
+            job=JobView("101", JobPhase.ENDED, JobEnd.FAILED),
+            budget=RestartBudget(charged_in_a_row=2),
+        )
+    )
+    (action,) = decide(view, POLICY)
+    assert isinstance(action, SubmitAttempt)
+    assert (action.charged_in_a_row, action.evidence["key"]) == (3, "resubmit:101")
 
 
 def test_events_carry_keys_and_classes() -> None:
