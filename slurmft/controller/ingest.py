@@ -28,6 +28,7 @@ from slurmft.db.models import (
     AgentCursor,
     Attempt,
     DenylistEntry,
+    Event,
     EventKind,
     FaultClass,
     Run,
@@ -123,7 +124,7 @@ def _store(
     )
     record_step_times(session, run.id, attempt_id, step_time_reports(batch))
     for event in batch.events:
-        record_event(
+        row = record_event(
             session,
             EventKind(event.kind),
             event.message,
@@ -138,6 +139,35 @@ def _store(
             source="agent",
             occurred_at=utc(event.occurred_at),
         )
+        if row.kind is EventKind.HANG and event.details.get("stacks"):
+            _attach_stacks(session, run, batch.node, row)
+
+
+def _attach_stacks(session: Session, run: Run, node: str, event: Event) -> None:
+    """The stacks an agent saved before it killed workers on the daemon's command become the
+    evidence of that restart_workers action (the agent's event quotes the command's reason)."""
+    delivered = session.scalars(
+        select(Action)
+        .where(
+            Action.run_id == run.id,
+            Action.node == node,
+            Action.kind == ActionKind.RESTART_WORKERS,
+            Action.status == ActionStatus.DONE,
+            Action.event_id.is_(None),
+        )
+        .order_by(Action.id.desc())
+    ).all()
+    action = next((a for a in delivered if a.reason in event.message), None)
+    if action is None:
+        return  # the agent found the hang itself (a phase past its deadline)
+    action.event_id = event.id
+    # A new dict: the JSON column sees reassignment, not in-place changes.
+    action.evidence = {
+        **action.evidence,
+        "stacks_event_id": event.id,
+        "stacks": event.details["stacks"],
+        "stack_files": event.details.get("stack_files", {}),
+    }
 
 
 def _commands(session: Session, run: Run, node: str) -> list[Command]:

@@ -202,6 +202,36 @@ def test_the_reply_tells_an_excluded_node_to_leave_and_a_hung_one_to_restart(
     assert statuses == [ActionStatus.DONE, ActionStatus.DONE]
 
 
+def test_the_stacks_saved_for_a_commanded_restart_become_its_evidence(
+    database: Database, server: IngestServer, tokens: dict[str, str]
+) -> None:
+    reason = "slurmft: hang rank 4 silent for 6s while peers report"
+    Executor(database, slurm=None).execute(
+        [v.RestartWorkers("r1", reason, node="n3")]  # type: ignore[arg-type]
+    )
+    _, data = _post(server, _batch(node="n3", agent="a-n3-1").to_json(), tokens["r1"])
+    assert data["commands"] == [{"kind": "restart_workers", "reason": reason}]
+    stacks = {"4": 'File "tiny.py", line 290 in train_step'}
+    hang = AgentEvent(
+        kind="hang",
+        occurred_at=NOW,
+        message=f"controller: {reason}: stacks saved, killing 1 worker(s)",
+        rank=4,
+        fault_class="hang",
+        details={"stacks": stacks, "stack_files": {"4": "/tmp/s/stacks-rank4-pid9.txt"}},
+    )
+    own = dataclasses.replace(hang, message="rank 4 stuck in step for 400 s: stacks saved")
+    for seq, event in ((2, own), (3, hang)):
+        batch = dataclasses.replace(_batch(seq, node="n3", agent="a-n3-1"), events=(event,))
+        assert _post(server, batch.to_json(), tokens["r1"])[0] == 200
+    with database.session() as s:
+        action = s.scalars(select(Action)).one()
+        event = s.get(Event, action.event_id)
+        assert event is not None and event.message == hang.message  # not the agent's own hang
+        assert action.evidence["stacks"] == stacks
+        assert action.evidence["stacks_event_id"] == event.id
+
+
 def test_time_endpoint_for_the_clock_skew_check(server: IngestServer) -> None:
     host, port = server.url.removeprefix("http://").split(":")
     conn = http.client.HTTPConnection(host, int(port), timeout=10)
