@@ -219,6 +219,29 @@ SETTINGS: tuple[Setting, ...] = (
         minimum=2,
     ),
     Setting(
+        "notify.webhook_url",
+        str,
+        "",
+        "When a person is needed (a run stopped at the crash cap, spares exhausted, a drain "
+        "refused, a resubmission waiting for its owner), POST a JSON message here; its `text` "
+        "field suits Slack/Mattermost-style incoming webhooks. Empty: only `slurmft status` "
+        "shows it. Undelivered messages wait in the store and are retried in order.",
+    ),
+    Setting(
+        "notify.webhook_timeout_s",
+        float,
+        5.0,
+        "How long one webhook POST may take before it is retried later.",
+        minimum=0.1,
+    ),
+    Setting(
+        "notify.webhook_interval_s",
+        float,
+        10.0,
+        "How often waiting webhook messages are sent.",
+        minimum=0.5,
+    ),
+    Setting(
         "retention.step_times_raw_hours",
         float,
         6.0,

@@ -51,6 +51,8 @@ def status(ctx: typer.Context, run_id: RUN, as_json: JSON = False) -> None:
         typer.echo(f"  ended: {data['end_reason']}")
     if data["excluded_nodes"]:
         typer.echo(f"  excluded nodes: {', '.join(data['excluded_nodes'])}")
+    for notice in data.get("human_needed", []):
+        typer.echo(f"  a person is needed ({notice['at']}): {notice['reason']}")
     for a in data["recent_actions"]:
         typer.echo(f"  {a['at']}  {a['kind']:<16} {a['status']:<8} {a['reason']}")
 

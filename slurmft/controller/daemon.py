@@ -8,6 +8,8 @@ start; ``coalesce`` and ``max_instances=1`` so a slow pass is never run twice at
   the pass is skipped and retried next time; nothing is decided on stale information.
 - *retention* (every 5 minutes): raw step times folded into per-minute aggregates, sampled
   heartbeats past their window deleted.
+- *webhook* (every ``notify.webhook_interval_s``, when ``notify.webhook_url`` is set): the
+  "a person is needed" notices waiting in the store, sent in order (webhook.py).
 
 Three servers run beside the scheduler: the agents' HTTP endpoint, the CLI's unix socket, and
 ``/metrics`` + ``/healthz`` (``daemon.metrics_listen``). Under systemd (Type=notify) the daemon
@@ -41,6 +43,7 @@ from slurmft.controller.observe import gather
 from slurmft.controller.resubmit import OwnerSubmitter
 from slurmft.controller.rpc import SOCKET_NAME, RpcServer
 from slurmft.controller.user_ops import operations
+from slurmft.controller.webhook import WebhookOutbox
 from slurmft.db import Database, DatabaseUnavailable
 from slurmft.db.models import ActionStatus
 from slurmft.db.retention import fold_step_times, prune_heartbeat_samples
@@ -87,6 +90,14 @@ class Daemon:
             submit_attempt=OwnerSubmitter(
                 slurm_conf=conf or None, timeout_s=config["slurm.command_timeout_s"]
             ),
+            webhook=bool(config["notify.webhook_url"]),
+        )
+        self.webhook = (
+            WebhookOutbox(
+                self.database, config["notify.webhook_url"], config["notify.webhook_timeout_s"]
+            )
+            if config["notify.webhook_url"]
+            else None
         )
         self.clock = clock
         self.passes = 0
@@ -208,6 +219,17 @@ class Daemon:
         if folded or pruned:
             log.info("retention: folded %d step times, pruned %d heartbeat samples", folded, pruned)
 
+    def webhook_pass(self) -> None:
+        """Send the notices waiting in the store's outbox (see webhook.py)."""
+        assert self.webhook is not None
+        try:
+            delivered = self.webhook.deliver()
+        except DatabaseUnavailable as exc:
+            log.warning("webhook pass skipped: %s", exc)
+            return
+        if delivered:
+            log.info("webhook: %d notices delivered", delivered)
+
     # --- lifecycle --------------------------------------------------------------------------
 
     def start(self) -> Daemon:
@@ -242,6 +264,14 @@ class Daemon:
         self._scheduler.add_job(
             self.retention_pass, "interval", seconds=RETENTION_INTERVAL_S, id="retention"
         )
+        if self.webhook is not None:
+            self._scheduler.add_job(
+                self.webhook_pass,
+                "interval",
+                seconds=self.config["notify.webhook_interval_s"],
+                id="webhook",
+                next_run_time=self.clock(),
+            )
         watchdog_s = self.notifier.watchdog_interval_s
         if watchdog_s is not None:
             self._scheduler.add_job(

@@ -18,7 +18,7 @@ from slurmft.controller.resubmit import SubmissionError, check_record
 from slurmft.controller.rpc import Operation, RpcError
 from slurmft.controller.spec import RunSpec
 from slurmft.db import Database
-from slurmft.db.models import Action, Attempt, Event, Run, utcnow
+from slurmft.db.models import Action, ActionKind, Attempt, Event, Run, utcnow
 from slurmft.db.records import denied_nodes
 from slurmft.db.states import RunState
 
@@ -160,10 +160,17 @@ def operations(database: Database, *, controller_url: str = "") -> dict[str, Ope
             recent = session.scalars(
                 select(Action).where(Action.run_id == run.id).order_by(Action.id.desc()).limit(10)
             ).all()
+            notices = session.scalars(
+                select(Action)
+                .where(Action.run_id == run.id, Action.kind == ActionKind.NOTIFY)
+                .order_by(Action.id.desc())
+                .limit(5)
+            ).all()
             return {
                 **_summary(session, run),
                 "excluded_nodes": sorted(denied_nodes(session, run_id=run.id)),
                 "recent_actions": [_action_row(a) for a in reversed(recent)],
+                "human_needed": [_action_row(a) for a in reversed(notices)],
             }
 
     def events(uid: int, args: Mapping[str, Any]) -> dict[str, Any]:
