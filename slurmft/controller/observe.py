@@ -157,6 +157,9 @@ def rank_compute(
 # --- gathering: the only I/O of observe -------------------------------------------------------
 
 LEMON_WINDOW = timedelta(days=14)
+# A keyed action that failed (sbatch refused a resubmission, a requeue hit a Slurm hiccup) is
+# decided again once it is this old, so a transient failure is retried and never strands a run.
+RETRY_FAILED_AFTER = timedelta(seconds=60)
 LIVE_RUN_STATES = (RunState.PENDING, RunState.RUNNING, RunState.RECOVERING)
 FINDING_KINDS = (
     EventKind.NODE_LOST,
@@ -288,7 +291,7 @@ def _run_view(
             max_without_progress=max_restarts, charged_in_a_row=run.restarts_without_progress
         ),
         cancel_requested=run.cancel_requested_at is not None,
-        reported=_reported_keys(session, run.id, since),
+        reported=_reported_keys(session, run.id, since, now=now),
     )
 
 
@@ -346,15 +349,23 @@ def _step_samples(session: Session, run_id: str, since: datetime) -> list[StepSa
     ]
 
 
-def _reported_keys(session: Session, run_id: str, since: datetime) -> frozenset[str]:
-    """Findings already recorded (events) or acted on (actions) for this attempt."""
+def _reported_keys(
+    session: Session, run_id: str, since: datetime, *, now: datetime
+) -> frozenset[str]:
+    """Findings already recorded (events) or acted on (actions) for this attempt; an action
+    that failed counts for RETRY_FAILED_AFTER, then it is decided (and tried) again."""
     details = session.scalars(
         select(Event.details).where(
             Event.run_id == run_id, Event.kind.in_(FINDING_KINDS), Event.recorded_at >= since
         )
     ).all()
     evidence = session.scalars(
-        select(Action.evidence).where(Action.run_id == run_id, Action.created_at >= since)
+        select(Action.evidence).where(
+            Action.run_id == run_id,
+            Action.created_at >= since,
+            (Action.status != ActionStatus.FAILED)
+            | (Action.created_at >= now - RETRY_FAILED_AFTER),
+        )
     ).all()
     return frozenset(
         d["key"] for d in [*details, *evidence] if isinstance(d, dict) and d.get("key")

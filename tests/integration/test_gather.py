@@ -16,7 +16,16 @@ from slurmft.controller.observe import gather
 from slurmft.controller.reconcile import reconcile
 from slurmft.controller.views import ExcludeNode, JobPhase, NotifyHuman
 from slurmft.db import Database
-from slurmft.db.models import Attempt, Event, EventKind, FaultClass, Run
+from slurmft.db.models import (
+    Action,
+    ActionKind,
+    ActionStatus,
+    Attempt,
+    Event,
+    EventKind,
+    FaultClass,
+    Run,
+)
 from slurmft.db.states import AttemptState, RunState
 from slurmft.gpu.api import FaultAction
 from slurmft.slurm.api import JobInfo
@@ -165,3 +174,29 @@ def test_a_requeue_first_seen_running_again_opens_a_running_attempt(database: Da
     with database.session() as s:
         second = s.scalars(select(Attempt).where(Attempt.number == 2)).one()
         assert (second.batch_host, second.nodelist) == ("n2", "n2,n3")
+
+
+def test_a_failed_keyed_action_is_decided_again_after_a_while(database: Database) -> None:
+    _seed(database)
+    with database.session() as s:
+        for key, status, age_s in (
+            ("resubmit:12", ActionStatus.FAILED, 10),  # failed just now: not again yet
+            ("resubmit:13", ActionStatus.FAILED, 70),  # failed a while ago: retry
+            ("gpu:7", ActionStatus.DONE, 70),  # done: never again
+        ):
+            s.add(
+                Action(
+                    run_id="r14",
+                    kind=ActionKind.RESUBMIT,
+                    reason="job ended",
+                    evidence={"key": key},
+                    status=status,
+                    created_at=NOW - timedelta(seconds=age_s),
+                )
+            )
+    runner = ReplayRunner(["squeue_requeued", "sinfo_nodes_drained", "show_job_requeued"])
+    with database.session() as s:
+        view = gather(s, CliSlurmClient(runner), now=NOW, max_restarts=5)
+    run = next(r for r in view.runs if r.run_id == "r14")
+    assert {"resubmit:12", "gpu:7"} <= run.reported
+    assert "resubmit:13" not in run.reported
