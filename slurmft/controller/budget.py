@@ -22,7 +22,10 @@ across requeues; the daemon keeps the same numbers in the store.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
+from datetime import datetime, timedelta
+from enum import StrEnum
 from typing import Any
 
 from slurmft.db.models import FaultClass
@@ -94,3 +97,87 @@ class RestartBudget:
                 str(k): int(v) for k, v in data.get("restarts_by_class", {}).items()
             },
         )
+
+
+# --- the daemon's view: restarts read from what the agents reported ---------------------------
+#
+# torchrun restarts workers in place (a crashed rank, a hang the daemon ended) without the agent
+# step ending, so the batch step never sees those restarts. The daemon does: every agent whose
+# workers came back reports a ``restart`` event. One restart of the run is reported by each agent
+# taking part in it, so reports are grouped: a new group starts when an agent of the current group
+# reports again (its next restart), or when the group is older than ``GROUP_S``.
+
+GROUP_S = 10.0  # agents of one rendezvous round see their new workers within seconds
+CAUSE_WINDOW_S = 60.0  # a node loss this close to a restart caused it (Slurm DOWN takes ~10 s)
+
+
+class Seen(StrEnum):
+    """What the store holds that the run's budget is read from."""
+
+    RESTART = "restart"  # an agent's workers restarted
+    CHECKPOINT = "checkpoint"  # a verified checkpoint (with its step)
+    NODE_REMOVED = "node_removed"  # a node lost, or taken out of the run
+    HANG = "hang"  # hung workers were killed
+    JOB_FAILED = "job_failed"  # an earlier job of the run failed and was resubmitted
+
+
+@dataclass(frozen=True)
+class Sighting:
+    kind: Seen
+    at: datetime
+    agent: str = ""  # RESTART: the reporting agent
+    step: int = -1  # CHECKPOINT: the global step it holds
+
+
+@dataclass(frozen=True)
+class _Group:
+    at: datetime
+    agents: frozenset[str]
+
+
+def restart_groups(sightings: Sequence[Sighting], group_s: float = GROUP_S) -> list[datetime]:
+    """When each restart of the run began, from the per-agent restart reports."""
+    groups: list[_Group] = []
+    for s in sorted((s for s in sightings if s.kind is Seen.RESTART), key=lambda s: s.at):
+        current = groups[-1] if groups else None
+        if (
+            current is None
+            or s.agent in current.agents
+            or (s.at - current.at).total_seconds() > group_s
+        ):
+            groups.append(_Group(s.at, frozenset({s.agent})))
+        else:
+            groups[-1] = _Group(current.at, current.agents | {s.agent})
+    return [g.at for g in groups]
+
+
+def budget_from_history(
+    sightings: Sequence[Sighting],
+    max_without_progress: int,
+    *,
+    group_s: float = GROUP_S,
+    cause_window_s: float = CAUSE_WINDOW_S,
+) -> RestartBudget:
+    """The run's budget after everything it went through, in time order: in-place restarts
+    (cause: a node removed near it, a hang killed just before it, else the user's code), earlier
+    failed jobs (user code), and checkpoints as progress."""
+    window = timedelta(seconds=cause_window_s)
+    removed = [s.at for s in sightings if s.kind is Seen.NODE_REMOVED]
+    hangs = [s.at for s in sightings if s.kind is Seen.HANG]
+    restarts: list[tuple[datetime, FaultClass, bool]] = []
+    for at in restart_groups(sightings, group_s):
+        if any(abs(at - r) <= window for r in removed):
+            restarts.append((at, FaultClass.HARDWARE, True))
+        elif any(timedelta(0) <= at - h <= window for h in hangs):
+            restarts.append((at, FaultClass.HANG, False))
+        else:
+            restarts.append((at, FaultClass.USER_CODE, False))
+    failed_jobs = [s.at for s in sightings if s.kind is Seen.JOB_FAILED]
+    restarts += [(at, FaultClass.USER_CODE, False) for at in failed_jobs]
+    checkpoints = sorted((s.at, s.step) for s in sightings if s.kind is Seen.CHECKPOINT)
+    budget = RestartBudget(max_without_progress=max_without_progress)
+    for at, cause, node_removed in sorted(restarts, key=lambda r: r[0]):
+        steps = [step for when, step in checkpoints if when <= at]
+        progress = f"step {max(steps)}" if steps else None
+        budget = budget.charge(Restart(cause, node_removed=node_removed, progress=progress))
+    return budget

@@ -4,17 +4,23 @@
 applies it. An attempt is one Slurm job submission *or one requeue of it*: when Slurm's restart
 count for the job rises, the current attempt ended REQUEUED and the next one begins with the
 same job id. Nothing here decides a recovery: that is ``decide``'s; this only records facts.
+
+The run's restart budget is one of those facts: ``reconcile_budget`` reads it from what the run
+went through (slurmft.controller.budget.budget_from_history) into ``restarts_without_progress``,
+which ``decide`` compares with the cap.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from slurmft.db.models import Attempt, Run
+from slurmft.controller.budget import CAUSE_WINDOW_S, Seen, Sighting, budget_from_history
+from slurmft.db.models import Action, ActionKind, Attempt, Event, EventKind, Run
 from slurmft.db.states import ATTEMPT_TRANSITIONS, AttemptState, RunState
 from slurmft.slurm.api import JobInfo
 from slurmft.slurm.states import JobPhase, JobState
@@ -92,6 +98,9 @@ def reconcile(
             if change.run_state is RunState.RUNNING and run.started_at is None:
                 run.started_at = now
     session.flush()
+    for run, _ in runs.values():
+        if not run.state.is_terminal:
+            reconcile_budget(session, run)
 
 
 def _next_attempt(session: Session, ended: Attempt, job: JobInfo, now: datetime) -> Attempt:
@@ -126,3 +135,96 @@ def _apply(attempt: Attempt, state: AttemptState | None, job: JobInfo, now: date
     elif state.is_terminal:
         attempt.ended_at = now
         attempt.end_reason = f"Slurm: {job.state.value} (exit {job.exit_code or '?'})"
+
+
+def reconcile_budget(session: Session, run: Run) -> None:
+    """The run's restarts in a row since its newest checkpoint first appeared, counted from the
+    store: in-place restarts its agents reported, and its earlier jobs that failed. (The job that
+    failed just now is ``decide``'s to charge when it resubmits: it is not counted here yet.)
+    ``last_progress_at`` remembers that checkpoint, so each pass reads only what came after."""
+    since = run.last_progress_at or run.created_at
+    progress = _progress(session, run.id, since)
+    if progress is not None:
+        since = run.last_progress_at = progress.at
+    window = since - timedelta(seconds=CAUSE_WINDOW_S)
+    sightings = [
+        *([progress] if progress else []),
+        *_restarts(session, run.id, since),
+        *_causes(session, run.id, window),
+        *_failed_jobs(session, run.id, since),
+    ]
+    # The cap only decides `exhausted`; the count is the same whatever it is.
+    run.restarts_without_progress = budget_from_history(sightings, 1).charged_in_a_row
+
+
+def _progress(session: Session, run_id: str, since: datetime) -> Sighting | None:
+    """The first report of the newest checkpoint step reported since ``since``."""
+    rows = session.execute(
+        select(Event.recorded_at, Event.details)
+        .where(
+            Event.run_id == run_id,
+            Event.kind == EventKind.CHECKPOINT,
+            Event.source == "agent",
+            Event.recorded_at >= since,
+        )
+        .order_by(Event.recorded_at, Event.id)
+    ).all()
+    best: Sighting | None = None
+    for at, details in rows:
+        step = details.get("step") if isinstance(details, dict) else None
+        if isinstance(step, int) and (best is None or step > best.step):
+            best = Sighting(Seen.CHECKPOINT, at, step=step)
+    return best
+
+
+def _restarts(session: Session, run_id: str, since: datetime) -> list[Sighting]:
+    rows = session.execute(
+        select(Event.recorded_at, Event.details).where(
+            Event.run_id == run_id,
+            Event.kind == EventKind.RESTART,
+            Event.source == "agent",
+            Event.recorded_at >= since,
+        )
+    ).all()
+    return [Sighting(Seen.RESTART, at, agent=str(d.get("agent_id", ""))) for at, d in rows]
+
+
+def _causes(session: Session, run_id: str, since: datetime) -> list[Sighting]:
+    """Nodes lost or taken out of the run, and hung workers killed, since ``since``."""
+    kinds = {
+        EventKind.NODE_LOST: Seen.NODE_REMOVED,
+        EventKind.BATCH_HOST_DOWN: Seen.NODE_REMOVED,
+        EventKind.HANG: Seen.HANG,
+    }
+    events = session.execute(
+        select(Event.kind, Event.recorded_at, Event.source).where(
+            Event.run_id == run_id, Event.kind.in_(kinds), Event.recorded_at >= since
+        )
+    ).all()
+    leaves = session.scalars(
+        select(Action.created_at).where(
+            Action.run_id == run_id,
+            Action.kind == ActionKind.AGENT_LEAVE,
+            Action.created_at >= since,
+        )
+    ).all()
+    return [
+        # A hang ends when the agent kills the workers: its event, not the daemon's finding.
+        *(
+            Sighting(kinds[kind], at)
+            for kind, at, source in events
+            if kind is not EventKind.HANG or source == "agent"
+        ),
+        *(Sighting(Seen.NODE_REMOVED, at) for at in leaves),
+    ]
+
+
+def _failed_jobs(session: Session, run_id: str, since: datetime) -> list[Sighting]:
+    attempts = session.scalars(
+        select(Attempt).where(Attempt.run_id == run_id).order_by(Attempt.number)
+    ).all()
+    return [
+        Sighting(Seen.JOB_FAILED, a.ended_at)
+        for a in attempts[:-1]  # the latest one's failure is still being decided on
+        if a.state is AttemptState.FAILED and a.ended_at is not None and a.ended_at >= since
+    ]

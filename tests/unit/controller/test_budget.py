@@ -1,8 +1,17 @@
 from __future__ import annotations
 
+from datetime import UTC, datetime, timedelta
+
 import pytest
 
-from slurmft.controller.budget import Restart, RestartBudget
+from slurmft.controller.budget import (
+    Restart,
+    RestartBudget,
+    Seen,
+    Sighting,
+    budget_from_history,
+    restart_groups,
+)
 from slurmft.db.models import FaultClass
 
 HW, CODE, HANG, TIME = (
@@ -72,3 +81,70 @@ def test_round_trips_through_json_for_the_batch_step() -> None:
     again = RestartBudget.from_json(budget.to_json())
     assert again == budget
     assert again.remaining == 1
+
+
+# --- the daemon reads the budget from what the agents reported --------------------------------
+
+T0 = datetime(2026, 1, 1, tzinfo=UTC)
+
+
+def _at(seconds: float) -> datetime:
+    return T0 + timedelta(seconds=seconds)
+
+
+def _restart(seconds: float, *agents: str) -> list[Sighting]:
+    """One rendezvous round: every agent taking part reports its workers back within a second."""
+    return [Sighting(Seen.RESTART, _at(seconds + i * 0.3), agent=a) for i, a in enumerate(agents)]
+
+
+def _checkpoint(seconds: float, step: int) -> Sighting:
+    return Sighting(Seen.CHECKPOINT, _at(seconds), step=step)
+
+
+def test_one_restart_reported_by_every_agent_is_one_restart() -> None:
+    history = _restart(0, "a", "b", "c") + _restart(15, "a", "b", "c") + _restart(18, "d")
+    assert restart_groups(history) == [_at(0), _at(15)]  # d joined the second round late
+    assert restart_groups([*history, *_restart(30, "e")]) == [_at(0), _at(15), _at(30)]
+    # An agent that reports again began the next restart, however soon.
+    assert restart_groups(_restart(0, "a", "b") + _restart(2, "a")) == [_at(0), _at(2)]
+
+
+def test_a_script_that_always_crashes_stops_after_the_cap() -> None:
+    history = [_checkpoint(-30, 5)]
+    for i in range(6):
+        history += _restart(20 * i, "a", "b", "c")
+    budget = budget_from_history(history[:-3], 5)  # five restarts: not yet
+    assert (budget.charged_in_a_row, budget.exhausted) == (5, False)
+    budget = budget_from_history(history, 5)
+    assert budget.exhausted and budget.restarts_by_class == {"user_code": 6}
+    assert "5 restarts in a row without progress" in budget.stop_reason()
+
+
+def test_node_losses_near_a_restart_are_free_and_progress_resets() -> None:
+    history: list[Sighting] = []
+    for i in range(6):  # a loss every minute and a half, restarts a few seconds after it
+        history += [
+            Sighting(Seen.NODE_REMOVED, _at(90 * i + 12)),
+            *_restart(90 * i + 6, "a", "b"),
+            _checkpoint(90 * i + 40, 10 * (i + 1)),
+        ]
+    budget = budget_from_history(history, 5)
+    assert (budget.charged_in_a_row, budget.exhausted) == (0, False)
+    assert budget.restarts_by_class == {"hardware": 6}
+
+
+def test_a_hang_is_charged_and_failed_jobs_count_with_in_place_restarts() -> None:
+    history = [
+        Sighting(Seen.HANG, _at(0)),
+        *_restart(10, "a", "b"),
+        Sighting(Seen.JOB_FAILED, _at(100)),
+        *_restart(200, "c", "d"),
+    ]
+    budget = budget_from_history(history, 2)
+    assert budget.restarts_by_class == {"hang": 1, "user_code": 2}
+    assert budget.exhausted  # three charged, no checkpoint at all
+    # A newer checkpoint between them resets the count; the same step again does not.
+    again = budget_from_history([*history, _checkpoint(150, 5)], 2)
+    assert again.charged_in_a_row == 1
+    same = budget_from_history([*history, _checkpoint(-5, 5), _checkpoint(150, 5)], 2)
+    assert same.charged_in_a_row == 3

@@ -1,0 +1,74 @@
+"""The daemon's restart budget read from a real store: what the agents reported (restarts of
+their workers, checkpoints, hangs) and what the daemon recorded (lost nodes, failed jobs)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import datetime, timedelta
+from typing import Any
+
+from sqlalchemy import select
+
+from slurmft.controller.reconcile import reconcile_budget
+from slurmft.db import Database
+from slurmft.db.models import Attempt, EventKind, Run, utcnow
+from slurmft.db.records import record_event
+from slurmft.db.states import AttemptState
+
+AGENTS = ("n1-a", "n2-b", "n3-c")
+
+
+def _report(
+    database: Database, kind: EventKind, at: datetime, source: str = "agent", **details: Any
+) -> None:
+    with database.session() as s:
+        event = record_event(s, kind, kind.value, run_id="r1", source=source, details=details)
+        event.recorded_at = at
+
+
+def _restart_everywhere(database: Database, at: datetime) -> None:
+    for i, agent in enumerate(AGENTS):
+        _report(database, EventKind.RESTART, at + timedelta(seconds=i * 0.4), agent_id=agent)
+
+
+def _budget(database: Database) -> tuple[int, datetime | None]:
+    with database.session() as s:
+        run = s.get(Run, "r1")
+        assert run is not None
+        reconcile_budget(s, run)
+        return run.restarts_without_progress, run.last_progress_at
+
+
+def test_restarts_are_counted_once_per_round_and_reset_by_a_newer_checkpoint(
+    database: Database, seed_run: Callable[..., None]
+) -> None:
+    seed_run(database, "r1", job_id="7")
+    start = utcnow()
+    _report(database, EventKind.CHECKPOINT, start, step=5)
+    for i in range(4):  # a script that crashes every 20 s, each round reported by 3 agents
+        _restart_everywhere(database, start + timedelta(seconds=20 * (i + 1)))
+    assert _budget(database) == (4, start)
+    _report(database, EventKind.CHECKPOINT, start + timedelta(seconds=90), step=5)
+    assert _budget(database)[0] == 4  # the same checkpoint again is no progress
+    newer = start + timedelta(seconds=100)
+    _report(database, EventKind.CHECKPOINT, newer, step=10)
+    assert _budget(database) == (0, newer)
+    _restart_everywhere(database, newer + timedelta(seconds=20))
+    assert _budget(database) == (1, newer)
+
+
+def test_a_lost_node_makes_its_restart_free_and_earlier_failed_jobs_count(
+    database: Database, seed_run: Callable[..., None]
+) -> None:
+    seed_run(database, "r1", job_id="7")
+    start = utcnow()
+    with database.session() as s:
+        first = s.scalars(select(Attempt).where(Attempt.run_id == "r1")).one()
+        first.state, first.ended_at = AttemptState.FAILED, start
+        s.add(Attempt(run_id="r1", number=2, slurm_job_id="8"))
+    _report(database, EventKind.NODE_LOST, start + timedelta(seconds=30), source="daemon")
+    _restart_everywhere(database, start + timedelta(seconds=22))  # survivors before the DOWN
+    assert _budget(database) == (1, None)  # the failed first job; the node loss is free
+    _report(database, EventKind.HANG, start + timedelta(seconds=200), stacks={"1": "..."})
+    _restart_everywhere(database, start + timedelta(seconds=210))
+    assert _budget(database) == (2, None)
