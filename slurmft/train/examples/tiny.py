@@ -87,7 +87,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--slow-factor", type=float, default=0.3)
     p.add_argument("--slow-from-step", type=int, default=0)
     p.add_argument("--slow-save-s", type=float, default=0.0, help="extra seconds per save")
-    p.add_argument("--crash-at-step", default="", help="STEP[@ATTEMPT]: SIGKILL --fault-rank")
+    p.add_argument("--crash-at-step", default="", help="STEP[@ATTEMPT|*]: SIGKILL --fault-rank")
     p.add_argument("--kill-during-save", default="", help="STEP[@ATTEMPT]: SIGKILL mid-save")
     p.add_argument("--hang-at-step", default="", help="STEP[@ATTEMPT]: stop calling collectives")
     p.add_argument("--fault-rank", type=int, default=1)
@@ -95,12 +95,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def fault_due(spec: str, step: int, rank: int, fault_rank: int) -> bool:
-    """`STEP[@ATTEMPT]` matches this step on the fault rank in that torchrun attempt."""
+    """`STEP[@ATTEMPT]` matches this step on the fault rank in that torchrun attempt (0 when
+    left out); `STEP@*` in every attempt: a script that always fails there."""
     if not spec or rank != fault_rank:
         return False
     at_step, _, attempt = spec.partition("@")
+    if int(at_step) != step:
+        return False
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    return int(at_step) == step and int(attempt or 0) == restart
+    return attempt == "*" or int(attempt or 0) == restart
 
 
 def kill_self() -> None:
