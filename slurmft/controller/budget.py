@@ -102,18 +102,23 @@ class RestartBudget:
 # --- the daemon's view: restarts read from what the agents reported ---------------------------
 #
 # torchrun restarts workers in place (a crashed rank, a hang the daemon ended) without the agent
-# step ending, so the batch step never sees those restarts. The daemon does: every agent whose
-# workers came back reports a ``restart`` event. One restart of the run is reported by each agent
-# taking part in it, so reports are grouped: a new group starts when an agent of the current group
-# reports again (its next restart), or when the group is older than ``GROUP_S``.
+# step ending, so the batch step never sees those restarts. The daemon does, from two reports:
+# the surviving ranks' collective errors when a rank dies (within a second), and every agent's
+# "workers restarted" once the new workers run (seconds to minutes later). One failure is
+# reported by many ranks and agents, so reports are grouped: a new group starts when a reporter
+# of the current group reports the same thing again (its next failure), when a collective error
+# comes after workers of the group restarted already, or when the group is older than
+# ``GROUP_S``. A group counts from its first report, so a run over budget is stopped while
+# torchrun is still restarting it, not after.
 
-GROUP_S = 10.0  # agents of one rendezvous round see their new workers within seconds
+GROUP_S = 60.0  # a restart under load may take a minute; a new failure repeats a reporter first
 CAUSE_WINDOW_S = 60.0  # a node loss this close to a restart caused it (Slurm DOWN takes ~10 s)
 
 
 class Seen(StrEnum):
     """What the store holds that the run's budget is read from."""
 
+    FAILURE = "failure"  # a rank saw a peer fail (a collective error)
     RESTART = "restart"  # an agent's workers restarted
     CHECKPOINT = "checkpoint"  # a verified checkpoint (with its step)
     NODE_REMOVED = "node_removed"  # a node lost, or taken out of the run
@@ -125,29 +130,38 @@ class Seen(StrEnum):
 class Sighting:
     kind: Seen
     at: datetime
-    agent: str = ""  # RESTART: the reporting agent
+    agent: str = ""  # FAILURE, RESTART: the reporting agent
+    rank: int = -1  # FAILURE: the reporting rank (an agent may hold several)
     step: int = -1  # CHECKPOINT: the global step it holds
 
 
 @dataclass(frozen=True)
 class _Group:
     at: datetime
-    agents: frozenset[str]
+    reporters: frozenset[tuple[Seen, str, int]]
+
+    @property
+    def restarted(self) -> bool:
+        """Workers came back already: an error reported now is about the next failure."""
+        return any(kind is Seen.RESTART for kind, _, _ in self.reporters)
 
 
 def restart_groups(sightings: Sequence[Sighting], group_s: float = GROUP_S) -> list[datetime]:
-    """When each restart of the run began, from the per-agent restart reports."""
+    """When each failure of the run that torchrun restarts in place was first reported."""
+    reports = [s for s in sightings if s.kind in (Seen.FAILURE, Seen.RESTART)]
     groups: list[_Group] = []
-    for s in sorted((s for s in sightings if s.kind is Seen.RESTART), key=lambda s: s.at):
+    for s in sorted(reports, key=lambda s: s.at):
+        reporter = (s.kind, s.agent, s.rank if s.kind is Seen.FAILURE else -1)
         current = groups[-1] if groups else None
         if (
             current is None
-            or s.agent in current.agents
+            or reporter in current.reporters
+            or (s.kind is Seen.FAILURE and current.restarted)
             or (s.at - current.at).total_seconds() > group_s
         ):
-            groups.append(_Group(s.at, frozenset({s.agent})))
+            groups.append(_Group(s.at, frozenset({reporter})))
         else:
-            groups[-1] = _Group(current.at, current.agents | {s.agent})
+            groups[-1] = _Group(current.at, current.reporters | {reporter})
     return [g.at for g in groups]
 
 

@@ -178,15 +178,25 @@ def _progress(session: Session, run_id: str, since: datetime) -> Sighting | None
 
 
 def _restarts(session: Session, run_id: str, since: datetime) -> list[Sighting]:
+    """Ranks that saw a peer fail, and agents whose workers restarted (see restart_groups)."""
+    kinds = {EventKind.COLLECTIVE_ERROR: Seen.FAILURE, EventKind.RESTART: Seen.RESTART}
     rows = session.execute(
-        select(Event.recorded_at, Event.details).where(
+        select(Event.kind, Event.recorded_at, Event.rank, Event.details).where(
             Event.run_id == run_id,
-            Event.kind == EventKind.RESTART,
+            Event.kind.in_(kinds),
             Event.source == "agent",
             Event.recorded_at >= since,
         )
     ).all()
-    return [Sighting(Seen.RESTART, at, agent=str(d.get("agent_id", ""))) for at, d in rows]
+    return [
+        Sighting(
+            kinds[kind],
+            at,
+            agent=str(details.get("agent_id", "")),
+            rank=rank if rank is not None else -1,
+        )
+        for kind, at, rank, details in rows
+    ]
 
 
 def _causes(session: Session, run_id: str, since: datetime) -> list[Sighting]:

@@ -19,10 +19,17 @@ AGENTS = ("n1-a", "n2-b", "n3-c")
 
 
 def _report(
-    database: Database, kind: EventKind, at: datetime, source: str = "agent", **details: Any
+    database: Database,
+    kind: EventKind,
+    at: datetime,
+    source: str = "agent",
+    rank: int | None = None,
+    **details: Any,
 ) -> None:
     with database.session() as s:
-        event = record_event(s, kind, kind.value, run_id="r1", source=source, details=details)
+        event = record_event(
+            s, kind, kind.value, run_id="r1", rank=rank, source=source, details=details
+        )
         event.recorded_at = at
 
 
@@ -48,9 +55,17 @@ def test_restarts_are_counted_once_per_round_and_reset_by_a_newer_checkpoint(
     for i in range(4):  # a script that crashes every 20 s, each round reported by 3 agents
         _restart_everywhere(database, start + timedelta(seconds=20 * (i + 1)))
     assert _budget(database) == (4, start)
-    _report(database, EventKind.CHECKPOINT, start + timedelta(seconds=90), step=5)
-    assert _budget(database)[0] == 4  # the same checkpoint again is no progress
-    newer = start + timedelta(seconds=100)
+    # The fifth failure counts when the survivors report their collective errors, before the
+    # restart that follows it is reported.
+    fifth = start + timedelta(seconds=100)
+    for rank, agent in ((0, "n1-a"), (2, "n3-c")):
+        _report(database, EventKind.COLLECTIVE_ERROR, fifth, rank=rank, agent_id=agent)
+    assert _budget(database)[0] == 5
+    _restart_everywhere(database, fifth + timedelta(seconds=15))
+    assert _budget(database)[0] == 5
+    _report(database, EventKind.CHECKPOINT, start + timedelta(seconds=120), step=5)
+    assert _budget(database)[0] == 5  # the same checkpoint again is no progress
+    newer = start + timedelta(seconds=130)
     _report(database, EventKind.CHECKPOINT, newer, step=10)
     assert _budget(database) == (0, newer)
     _restart_everywhere(database, newer + timedelta(seconds=20))

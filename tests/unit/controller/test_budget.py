@@ -104,9 +104,23 @@ def _checkpoint(seconds: float, step: int) -> Sighting:
 def test_one_restart_reported_by_every_agent_is_one_restart() -> None:
     history = _restart(0, "a", "b", "c") + _restart(15, "a", "b", "c") + _restart(18, "d")
     assert restart_groups(history) == [_at(0), _at(15)]  # d joined the second round late
-    assert restart_groups([*history, *_restart(30, "e")]) == [_at(0), _at(15), _at(30)]
+    assert restart_groups([*history, *_restart(80, "e")]) == [_at(0), _at(15), _at(80)]
     # An agent that reports again began the next restart, however soon.
     assert restart_groups(_restart(0, "a", "b") + _restart(2, "a")) == [_at(0), _at(2)]
+
+
+def _failure(seconds: float, *ranks: tuple[str, int]) -> list[Sighting]:
+    """The surviving ranks' collective errors when a peer died."""
+    return [Sighting(Seen.FAILURE, _at(seconds), agent=a, rank=r) for a, r in ranks]
+
+
+def test_a_failure_is_counted_when_the_survivors_see_it_not_when_the_restart_ends() -> None:
+    # Two ranks on agent b: each reports the collective error once; the restart, 30 s later
+    # under load, is the same failure.
+    one = _failure(0, ("a", 0), ("b", 1), ("b", 2)) + _restart(30, "a", "b", "c")
+    assert restart_groups(one) == [_at(0)]
+    # An error after the workers came back is the next failure, whoever reports it.
+    assert restart_groups([*one, *_failure(40, ("c", 1))]) == [_at(0), _at(40)]
 
 
 def test_a_script_that_always_crashes_stops_after_the_cap() -> None:
