@@ -8,6 +8,7 @@ per (run, rank, step) through the caller's sequence numbers (the daemon drops a 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -55,13 +56,26 @@ class StepTimeReport:
     peer_group: str = ""
 
 
-def _dialect_insert(session: Session, table: Any) -> Insert:
-    name = session.get_bind().dialect.name
-    if name == "sqlite":
+def _dialect_insert(dialect: str, table: Any) -> Insert:
+    if dialect == "sqlite":
         return sqlite.insert(table)
-    if name == "postgresql":
+    if dialect == "postgresql":
         return postgresql.insert(table)
-    raise NotImplementedError(f"no upsert for dialect {name}")
+    raise NotImplementedError(f"no upsert for dialect {dialect}")
+
+
+@functools.cache
+def _heartbeat_upsert(dialect: str) -> Insert:
+    """Built once per dialect: building it costs more than running it for a node's few ranks."""
+    table = RankHeartbeat.__table__
+    stmt = _dialect_insert(dialect, table)
+    excluded = stmt.excluded
+    return stmt.on_conflict_do_update(
+        index_elements=[table.c.run_id, table.c.rank],
+        set_={col: excluded[col] for col in _HEARTBEAT_UPDATED},
+        # Resent or reordered batches never move a rank's heartbeat backwards.
+        where=excluded.seq > table.c.seq,
+    )
 
 
 def record_heartbeats(
@@ -86,8 +100,9 @@ def record_heartbeats(
             newest[hb.rank] = hb
     last_sampled = dict(
         session.execute(
+            # Only this batch's ranks: an agent reports its node's few ranks of a run of many.
             select(RankHeartbeat.rank, RankHeartbeat.sampled_at).where(
-                RankHeartbeat.run_id == run_id
+                RankHeartbeat.run_id == run_id, RankHeartbeat.rank.in_(list(newest))
             )
         ).all()
     )
@@ -129,15 +144,7 @@ def record_heartbeats(
         }
         for hb in newest.values()
     ]
-    table = RankHeartbeat.__table__
-    stmt = _dialect_insert(session, table)
-    excluded = stmt.excluded
-    upsert = stmt.on_conflict_do_update(
-        index_elements=[table.c.run_id, table.c.rank],
-        set_={col: excluded[col] for col in _HEARTBEAT_UPDATED},
-        # Resent or reordered batches never move a rank's heartbeat backwards.
-        where=excluded.seq > table.c.seq,
-    )
+    upsert = _heartbeat_upsert(session.get_bind().dialect.name)
     session.execute(upsert, rows)  # one cached statement, executemany
     return len(samples)
 
