@@ -14,6 +14,7 @@ only after repeated windows, lemons only across different runs) and the drain ra
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 from slurmft.config import Config
@@ -49,19 +50,29 @@ class TrustPolicy:
     max_drained_fraction: float = 0.1  # of the partition; at least one drain is always allowed
 
 
+# A straggler window is judged in this many equal buckets; slow in every one of them is what
+# "sustained" means (one noisy stretch never flags anyone), whatever the window's length.
+STRAGGLER_WINDOW_BUCKETS = 5
+
+
 @dataclass(frozen=True)
 class Policy:
     straggler_threshold: float = 0.20
-    straggler_window_buckets: int = 5
+    straggler_window_s: float = 300.0
+    straggler_window_buckets: int = STRAGGLER_WINDOW_BUCKETS
     silent_after_s: float = 30.0
     trust: TrustPolicy = TrustPolicy()
+
+    @property
+    def straggler_bucket(self) -> timedelta:
+        """The length of one bucket of compute time (observe buckets the step times by it)."""
+        return timedelta(seconds=self.straggler_window_s / self.straggler_window_buckets)
 
     @classmethod
     def from_config(cls, config: Config) -> Policy:
         return cls(
             straggler_threshold=config["policy.straggler_threshold"],
-            # The window is kept as per-minute buckets of compute time.
-            straggler_window_buckets=max(1, round(config["policy.straggler_window_s"] / 60)),
+            straggler_window_s=config["policy.straggler_window_s"],
             silent_after_s=config["policy.silent_after_s"],
             trust=TrustPolicy(
                 drain_gpu_faults=config["trust.drain_gpu_faults"],

@@ -280,7 +280,9 @@ def _run_view(
         nodes=_node_views(session, attempt, info, nodes),
         beats=_beats(session, run.id, attempt),
         compute=rank_compute(
-            _step_samples(session, run.id, now - bucket * buckets),
+            _step_samples(
+                session, run.id, max(now - bucket * buckets, _placed_since(session, run.id, since))
+            ),
             now=now,
             bucket=bucket,
             buckets=buckets,
@@ -347,6 +349,27 @@ def _step_samples(session: Session, run_id: str, since: datetime) -> list[StepSa
     return [
         StepSample(rank, node, group, ended, compute) for rank, group, ended, compute, node in rows
     ]
+
+
+def _placed_since(session: Session, run_id: str, since: datetime) -> datetime:
+    """When the run's ranks last moved between nodes: a node left it, or workers restarted
+    (a spare joining restarts everyone). Step times carry a rank, not a node, and a rank is
+    mapped to the node that holds it now; compute times from before a move would be charged
+    to the rank's new node (the old straggler's slowness to the spare), so only later ones
+    count, and the window must fill again before anyone is judged."""
+    moved = [
+        session.scalar(
+            select(func.max(Event.occurred_at)).where(
+                Event.run_id == run_id, Event.kind == EventKind.RESTART
+            )
+        ),
+        session.scalar(
+            select(func.max(Action.created_at)).where(
+                Action.run_id == run_id, Action.kind == ActionKind.AGENT_LEAVE
+            )
+        ),
+    ]
+    return max([since, *(m for m in moved if m is not None)])
 
 
 def _reported_keys(
@@ -438,9 +461,16 @@ def _drains_since(session: Session, since: datetime) -> int:
 
 
 def _straggler_windows(session: Session) -> dict[str, int]:
+    """The daemon's own straggler findings per node. A run's in-process detector reports too
+    (source "agent"), but through rank 0's agent, so such an event names rank 0's node, not the
+    slow one: it is evidence for the run's report, never a window against a node."""
     rows = session.execute(
         select(Event.node, func.count())
-        .where(Event.kind == EventKind.STRAGGLER, Event.node.is_not(None))
+        .where(
+            Event.kind == EventKind.STRAGGLER,
+            Event.node.is_not(None),
+            Event.source != "agent",
+        )
         .group_by(Event.node)
     ).all()
     return {node: count for node, count in rows}

@@ -7,7 +7,7 @@ Synthetic deterministic regression data, an MLP with dropout (so RNG state matte
 momentum and a warmup-then-linear LR schedule, gradients all-reduced by hand with the telemetry
 slots piggy-backed. Rank 0 appends one JSON line per step to `<out-dir>/losses.jsonl` (loss, LR,
 a fingerprint of the samples of the global batch) and events to `<out-dir>/events.jsonl`; at the
-end it writes `<out-dir>/final_weights.pt`. Flags inject faults for tests: a slow rank, a crash
+end it writes `<out-dir>/final_weights.pt`. Flags inject faults for tests: a slow rank or node, a crash
 at a step, a hang, a kill in the middle of a save, a long save. `--work-ms` simulates per-step
 device compute with a sleep, so timing tests do not depend on CPU contention between ranks.
 """
@@ -86,6 +86,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--slow-rank", type=int, default=-1)
     p.add_argument("--slow-factor", type=float, default=0.3)
     p.add_argument("--slow-from-step", type=int, default=0)
+    p.add_argument(
+        "--slow-nodes-file",
+        default="",
+        help="a file of node names, one a line, read every step: a rank on a listed node\n"
+        "($SLURMD_NODENAME) is slowed by --slow-factor from --slow-from-step on. The\n"
+        "slowdown follows the node, not the rank: a rank that moves off it runs at speed",
+    )
     p.add_argument("--slow-save-s", type=float, default=0.0, help="extra seconds per save")
     p.add_argument("--crash-at-step", default="", help="STEP[@ATTEMPT|*]: SIGKILL --fault-rank")
     p.add_argument("--kill-during-save", default="", help="STEP[@ATTEMPT]: SIGKILL mid-save")
@@ -104,6 +111,17 @@ def fault_due(spec: str, step: int, rank: int, fault_rank: int) -> bool:
         return False
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     return attempt == "*" or int(attempt or 0) == restart
+
+
+def on_slow_node(nodes_file: str) -> bool:
+    """This process's node is listed in the file (a missing file lists nobody)."""
+    if not nodes_file:
+        return False
+    try:
+        listed = Path(nodes_file).read_text().split()
+    except FileNotFoundError:
+        return False
+    return os.environ.get("SLURMD_NODENAME", "") in listed
 
 
 def kill_self() -> None:
@@ -293,7 +311,8 @@ class TinyRun:
             loss_sum += loss.item()
             seen.extend(indices)
         work_s = self.args.work_ms / 1000.0
-        if self.rank == self.args.slow_rank and self.step >= self.args.slow_from_step:
+        slow = self.rank == self.args.slow_rank or on_slow_node(self.args.slow_nodes_file)
+        if slow and self.step >= self.args.slow_from_step:
             work_s *= 1.0 + self.args.slow_factor
         time.sleep(work_s)
         return loss_sum, seen

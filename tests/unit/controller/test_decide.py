@@ -370,7 +370,8 @@ def test_policy_comes_from_the_config() -> None:
         ],
     )
     policy = Policy.from_config(config)
-    assert policy.straggler_window_buckets == 3
+    # Five buckets whatever the window: slow in each of them is "sustained".
+    assert (policy.straggler_window_buckets, policy.straggler_bucket) == (5, timedelta(seconds=36))
     assert policy.trust == TrustPolicy(drain_gpu_faults=False, drains_per_hour=1)
 
 
