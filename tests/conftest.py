@@ -1,17 +1,28 @@
 """Shared test policy.
 
-Tests that need a real component (the local Slurm cluster, PostgreSQL, torch) carry a marker.
-Where the component is absent they are skipped in a developer's ad-hoc run, but `scripts/test`
-(and so CI) sets SLURMFT_TEST_REQUIRE=slurm,postgres,torch, which turns every such skip into a
-failure: the real-component tests always run in CI.
+Tests that need a real component (the local Slurm cluster, PostgreSQL, torch, the two test
+users of `scripts/test-users`) carry a marker. Where the component is absent they are skipped in
+a developer's ad-hoc run, but `scripts/test` (and so CI) sets
+SLURMFT_TEST_REQUIRE=slurm,postgres,torch,users, which turns every such skip into a failure: the
+real-component tests always run in CI.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import sys
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
+
+# tests/ has no packages (importlib import mode): its helper modules are imported by path.
+sys.path.insert(0, str(Path(__file__).parent))
+
+from unix_users import TestUsers, make_test_users, missing_users
+
+COMPONENTS = ("slurm", "postgres", "torch", "users")
 
 REQUIRED = {
     name.strip() for name in os.environ.get("SLURMFT_TEST_REQUIRE", "").split(",") if name.strip()
@@ -32,6 +43,11 @@ def _available(component: str) -> tuple[bool, str]:
         except ImportError:
             return False, "torch is not installed (pip install torch==2.13.0)"
         return True, ""
+    if component == "users":
+        if os.geteuid() != 0:
+            return False, "the multi-user tests need root (they switch to the test users)"
+        missing = missing_users()
+        return not missing, f"no test users {', '.join(missing)} (run: scripts/test-users up)"
     raise ValueError(component)
 
 
@@ -45,7 +61,38 @@ def require(component: str) -> None:
     pytest.skip(why)
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "users: needs the test users (scripts/test-users up)")
+
+
 def pytest_runtest_setup(item: pytest.Item) -> None:
-    for component in ("slurm", "postgres", "torch"):
+    for component in COMPONENTS:
         if item.get_closest_marker(component) is not None:
             require(component)
+
+
+@pytest.fixture(scope="session")
+def test_users() -> Iterator[TestUsers]:
+    """Two real unprivileged users, `test_users.alice` and `test_users.bob` (slurmft-alice and
+    slurmft-bob: not root, not SlurmUser, no Slurm Operators), each a `UnixUser` with
+
+    - `pw` (the passwd entry), `name`, `uid`, `gid`, `home`;
+    - `run(argv, env=None, timeout=120, **subprocess_kwargs)`: run a command as the user (real
+      uid, gid and supplementary groups; cwd its home unless given; output captured as text;
+      exit status returned, not checked) and `popen(argv, env=None, **kwargs)` to start one;
+    - `env(env)`: the environment those get: ``env`` (default: PATH, LANG and SLURM_CONF) with the
+      user's HOME/USER/LOGNAME/SHELL and the shared environment's bin/ first on PATH;
+    - `slurmft`: the `slurmft` command the user runs; `own(path)`: a directory made theirs.
+
+    The users cannot reach this checkout or its .venv (they may be under /root): `slurmft`,
+    `python` and their PATH point at a world-readable copy of the environment made for this
+    session from the current code (see tests/unix_users.py). Jobs a user submits to the local
+    Slurm cluster run as that user, so give them directories they own (`own`) outside pytest's
+    private tmp_path (mkdtemp under /tmp). Skips, or fails under SLURMFT_TEST_REQUIRE=users,
+    unless run as root with both users present (`scripts/test-users up`)."""
+    require("users")
+    users = make_test_users()
+    try:
+        yield users
+    finally:
+        users.shared.remove()

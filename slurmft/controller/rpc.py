@@ -85,7 +85,11 @@ class RpcServer:
     """Serves ``operations`` on a unix socket in a background thread."""
 
     def __init__(self, socket_path: Path, operations: Mapping[str, Operation]) -> None:
-        socket_path.parent.mkdir(parents=True, exist_ok=True)
+        if not socket_path.parent.exists():
+            socket_path.parent.mkdir(parents=True)
+            # Made here (not by systemd's RuntimeDirectory): searchable by every user whatever
+            # the daemon's umask, or their CLI could not reach the socket.
+            socket_path.parent.chmod(0o755)
         socket_path.unlink(missing_ok=True)  # a stale socket from a previous daemon
         handler = type("Handler", (_Handler,), {"operations": dict(operations)})
         self.path = socket_path
@@ -117,6 +121,11 @@ def call(socket_path: Path, op: str, timeout_s: float = 30.0, **args: Any) -> An
         raise DaemonUnreachable(
             f"the slurmft daemon is not running (nothing listens on {socket_path}): start it "
             f"with `systemctl start slurmft` or `slurmft daemon`, or set paths.runtime_dir"
+        ) from None
+    except PermissionError:
+        raise DaemonUnreachable(
+            f"permission denied on the slurmft daemon's socket {socket_path}: its directory "
+            f"must be searchable and the socket writable by every user (see docs/install.md)"
         ) from None
     except TimeoutError:
         raise DaemonUnreachable(

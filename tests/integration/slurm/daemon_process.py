@@ -9,11 +9,15 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 from local_cluster import wait_for
 
 from slurmft.controller.rpc import SOCKET_NAME, DaemonUnreachable, call
+
+if TYPE_CHECKING:
+    from unix_users import UnixUser
 
 
 def free_port() -> int:
@@ -36,8 +40,13 @@ def daemon_env(tmp_path: Path) -> dict[str, str]:
     }
 
 
-def slurmft(env: dict[str, str], *argv: str) -> str:
-    done = subprocess.run(
+def run_slurmft(
+    env: dict[str, str], *argv: str, as_user: UnixUser | None = None
+) -> subprocess.CompletedProcess[str]:
+    """`slurmft ARGV` as this process, or as a test user (with that user's `slurmft`)."""
+    if as_user is not None:
+        return as_user.run([as_user.slurmft, *argv], env, timeout=60)
+    return subprocess.run(
         [sys.executable, "-m", "slurmft", *argv],
         env=env,
         capture_output=True,
@@ -45,25 +54,40 @@ def slurmft(env: dict[str, str], *argv: str) -> str:
         timeout=60,
         check=False,
     )
+
+
+def slurmft(env: dict[str, str], *argv: str, as_user: UnixUser | None = None) -> str:
+    """`slurmft ARGV`'s output; it must succeed."""
+    done = run_slurmft(env, *argv, as_user=as_user)
     assert done.returncode == 0, f"slurmft {' '.join(argv)}: {done.stderr}"
     return done.stdout
 
 
 class DaemonProcess:
-    def __init__(self, env: dict[str, str], log: Path) -> None:
+    def __init__(self, env: dict[str, str], log: Path, as_user: UnixUser | None = None) -> None:
         self.env = env
         self.log = log
+        self.as_user = as_user  # None: this process's user (root in the suite)
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
     def socket_path(self) -> Path:
         return Path(self.env["SLURMFT_PATHS_RUNTIME_DIR"]) / SOCKET_NAME
 
+    def client_env(self) -> dict[str, str]:
+        """What another user's `slurmft` needs to reach this daemon and Slurm (with
+        `UnixUser.env`, which adds the user's identity and PATH)."""
+        keys = ("SLURMFT_PATHS_RUNTIME_DIR", "SLURMFT_SLURM_CONF")
+        return {key: self.env[key] for key in keys} | {"SLURM_CONF": os.environ["SLURM_CONF"]}
+
     def start(self) -> None:
         with self.log.open("ab") as out:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "slurmft", "daemon"], env=self.env, stdout=out, stderr=out
-            )
+            if self.as_user is not None:
+                argv = [self.as_user.slurmft, "daemon"]
+                self.proc = self.as_user.popen(argv, self.env, stdout=out, stderr=out)
+            else:
+                argv = [sys.executable, "-m", "slurmft", "daemon"]
+                self.proc = subprocess.Popen(argv, env=self.env, stdout=out, stderr=out)
         wait_for("the daemon to answer on its socket", self._answers, bool, timeout_s=30)
 
     def _answers(self) -> bool:
@@ -88,11 +112,14 @@ class DaemonProcess:
 
 
 @contextmanager
-def running_daemon(tmp_path: Path, **env: str) -> Iterator[DaemonProcess]:
-    """A started daemon on a fresh SQLite store; ``env`` adds or overrides its variables."""
+def running_daemon(
+    tmp_path: Path, as_user: UnixUser | None = None, **env: str
+) -> Iterator[DaemonProcess]:
+    """A started daemon on a fresh SQLite store; ``env`` adds or overrides its variables.
+    ``as_user``: run it as that test user (``tmp_path`` must then be theirs)."""
     full_env = daemon_env(tmp_path) | env
-    slurmft(full_env, "db", "upgrade")
-    process = DaemonProcess(full_env, tmp_path / "daemon.log")
+    slurmft(full_env, "db", "upgrade", as_user=as_user)
+    process = DaemonProcess(full_env, tmp_path / "daemon.log", as_user)
     process.start()
     try:
         yield process

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from daemon_process import DaemonProcess, slurmft
 from local_cluster import Cluster, wait_for
@@ -14,6 +14,9 @@ from sqlalchemy import func, select
 
 from slurmft.db import Database
 from slurmft.db.models import Action, Attempt, Event, RankHeartbeat, Run
+
+if TYPE_CHECKING:
+    from unix_users import UnixUser
 
 # The example at a pace two cores keep up with: 3 ranks, a checkpoint every 5 steps.
 TINY = [
@@ -28,6 +31,8 @@ TINY = [
     "--pg-timeout-s",
     "30",
 ]
+# The example's own script arguments; `submit` fills in the directories.
+EXAMPLE = ["-m", "slurmft.train.examples.tiny", "--ckpt-dir", "{ckpt}", "--out-dir", "{out}", *TINY]
 
 
 @dataclass
@@ -119,12 +124,17 @@ def submit(
     nodes: int = 3,
     spares: int = 1,
     env: dict[str, str] | None = None,
+    as_user: UnixUser | None = None,
 ) -> SubmittedRun:
     """`slurmft submit` a run of `nodes` + `spares` (with `env` in the job's environment, through
     a spec file); `{ckpt}` and `{out}` in the script's arguments become its checkpoint and output
-    directories. The fixture cancels the job."""
+    directories. The fixture cancels the job. ``as_user`` submits as that test user: the job
+    runs as them, so ``tmp_path`` must be reachable by them (not pytest's own tmp_path)."""
     shared = tmp_path / "shared"
-    shared.mkdir(mode=0o777)
+    if as_user is not None:
+        as_user.own(shared)
+    else:
+        shared.mkdir(mode=0o777)
     ckpt, out = shared / "ckpt", shared / "out"
     argv = [a.replace("{ckpt}", str(ckpt)).replace("{out}", str(out)) for a in script]
     spec = tmp_path / "run.toml"
@@ -133,7 +143,8 @@ def submit(
         f"ckpt_dir = {json.dumps(str(ckpt))}\nscript = {json.dumps(argv)}\n[env]\n"
         + "".join(f"{key} = {json.dumps(value)}\n" for key, value in (env or {}).items())
     )
-    submitted = json.loads(slurmft(daemon.env, "submit", "--spec", str(spec), "--json"))
+    cli = daemon.env if as_user is None else daemon.client_env()
+    submitted = json.loads(slurmft(cli, "submit", "--spec", str(spec), "--json", as_user=as_user))
     cluster._jobs.append(submitted["job_id"])  # cancelled by the fixture whatever happens
     database = Database(f"sqlite:///{daemon.env['SLURMFT_PATHS_STATE_DIR']}/slurmft.db")
     return SubmittedRun(submitted["run_id"], submitted["job_id"], shared, database)
