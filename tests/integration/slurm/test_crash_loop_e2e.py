@@ -1,0 +1,82 @@
+"""The crash budget on the real local Slurm cluster, both ways.
+
+- A script that always crashes (rank 1 dies at step 2, before any checkpoint, in every attempt):
+  torchrun restarts it in place each time; the daemon counts every failure from the ranks'
+  reports, and after the configured number of restarts without progress the next failure stops
+  the run with the budget's reason. The job is cancelled, and no node is drained or denylisted:
+  a crashing script is the user's code, not a node fault.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from daemon_process import DaemonProcess, running_daemon
+from e2e_run import TINY, SubmittedRun, submit
+from local_cluster import Cluster, wait_for
+
+from slurmft.controller.budget import Seen, Sighting, restart_groups
+from slurmft.db.models import Action, ActionKind, ActionStatus, Event, EventKind
+from slurmft.db.records import denied_nodes
+from slurmft.db.states import RunState
+
+pytestmark = [pytest.mark.slurm, pytest.mark.torch]
+
+EXAMPLE = ["-m", "slurmft.train.examples.tiny", "--ckpt-dir", "{ckpt}", "--out-dir", "{out}"]
+CAP = 3  # policy.max_restarts_without_progress, lowered from 5 to keep the test short
+
+
+@pytest.fixture
+def daemon(tmp_path: Path) -> Iterator[DaemonProcess]:
+    with running_daemon(tmp_path, SLURMFT_POLICY_MAX_RESTARTS_WITHOUT_PROGRESS=str(CAP)) as process:
+        yield process
+
+
+def restarts_done(run: SubmittedRun) -> int:
+    """Rounds of workers that came back (each agent taking part reports one)."""
+    reports = run.events(Event.kind == EventKind.RESTART, Event.source == "agent")
+    sightings = [
+        Sighting(Seen.RESTART, e.recorded_at, agent=str(e.details.get("agent_id"))) for e in reports
+    ]
+    return len(restart_groups(sightings))
+
+
+def test_a_script_that_always_crashes_stops_at_the_cap_with_the_reason(
+    cluster: Cluster, daemon: DaemonProcess, tmp_path: Path
+) -> None:
+    started = time.monotonic()
+    script = [*EXAMPLE, *TINY, "--crash-at-step", "2@*", "--fault-rank", "1"]
+    run = submit(cluster, daemon, tmp_path, script, name="crash-loop")
+    final, _ = wait_for("the run to end", run.run, lambda r: r.state.is_terminal, timeout_s=360)
+    print(f"\ncrash loop stopped after {time.monotonic() - started:.0f} s: {final.end_reason}")
+
+    assert final.state is RunState.STOPPED, final.end_reason
+    assert final.end_reason is not None
+    assert final.end_reason.startswith(f"crash loop: {CAP} restarts in a row without progress"), (
+        final.end_reason
+    )
+    assert f"the cap is {CAP} (policy.max_restarts_without_progress)" in final.end_reason
+    assert final.restarts_without_progress == CAP + 1  # the failure that stopped it
+    assert restarts_done(run) == CAP, run.job_log()[-3000:]
+    starts = [e for e in run.jsonl("events.jsonl") if e["event"] == "fresh_start"]
+    assert len(starts) == CAP + 1  # never a checkpoint: every start is from scratch
+    assert max(r["step"] for r in run.jsonl("losses.jsonl")) == 2
+
+    (stop,) = run.actions(Action.kind == ActionKind.STOP_RUN)
+    assert (stop.status, stop.reason) == (ActionStatus.DONE, final.end_reason)
+    wait_for(
+        "the job to be gone from Slurm",
+        lambda: cluster.client.job(run.job_id).state,
+        lambda state: state.is_ended,
+        timeout_s=60,
+    )
+    # The user's code, not a node: nothing left the run, nothing was drained.
+    removals = {ActionKind.AGENT_LEAVE, ActionKind.DRAIN_NODE, ActionKind.EVICT_NODE}
+    assert not [a.reason for a in run.actions() if a.kind in removals]
+    with run.database.session() as s:
+        assert not denied_nodes(s) and not denied_nodes(s, run_id=run.run_id)
+    assert not [n for n, info in cluster.client.nodes().items() if info.status.drain_requested]
+    run.database.dispose()
