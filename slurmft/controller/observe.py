@@ -278,7 +278,7 @@ def _run_view(
         nodes_needed=run.nodes,
         job=job,
         nodes=_node_views(session, attempt, info, nodes),
-        beats=_beats(session, run.id, attempt),
+        beats=_beats(session, run.id, attempt, _placed_since(session, run.id, since)),
         compute=rank_compute(
             _step_samples(
                 session, run.id, max(now - bucket * buckets, _placed_since(session, run.id, since))
@@ -313,8 +313,15 @@ def _node_views(
     return tuple(views)
 
 
-def _beats(session: Session, run_id: str, attempt: Attempt | None) -> tuple[RankBeat, ...]:
-    query = select(RankHeartbeat).where(RankHeartbeat.run_id == run_id)
+def _beats(
+    session: Session, run_id: str, attempt: Attempt | None, placed_since: datetime
+) -> tuple[RankBeat, ...]:
+    """The latest heartbeat of each rank since the ranks were last placed: a rank's row from
+    before a restart is its old worker's, and its silence while the restarted peers report
+    already is no hang (the rank may even live on another node now)."""
+    query = select(RankHeartbeat).where(
+        RankHeartbeat.run_id == run_id, RankHeartbeat.received_at >= placed_since
+    )
     if attempt is not None:
         query = query.where(RankHeartbeat.attempt_id == attempt.id)
     return tuple(
