@@ -112,8 +112,15 @@ class NodeAgent:
         self._stop = threading.Event()
 
     # -- reports ---------------------------------------------------------------------------------
-    def event(self, kind: EventKind, message: str, *, rank: int | None = None,
-              fault_class: FaultClass | None = None, **details: Any) -> None:
+    def event(
+        self,
+        kind: EventKind,
+        message: str,
+        *,
+        rank: int | None = None,
+        fault_class: FaultClass | None = None,
+        **details: Any,
+    ) -> None:
         log.info("%s: %s", kind.value, message)
         if self.reporter is not None:
             self.reporter.add_event(
@@ -155,11 +162,20 @@ class NodeAgent:
         if not report.has_gpus:
             log.info("%s", report.note or "no GPU on this node")
         for fault in report.faults:  # the preflight passes on drain-class conditions only
-            self.event(EventKind.GPU_FAULT, fault.message, fault_class=FaultClass.HARDWARE,
-                       gpu_index=fault.gpu_index, xid=fault.xid, action="drain")
+            self.event(
+                EventKind.GPU_FAULT,
+                fault.message,
+                fault_class=FaultClass.HARDWARE,
+                gpu_index=fault.gpu_index,
+                xid=fault.xid,
+                action="drain",
+            )
         if not report.fit:
-            self.event(EventKind.PREFLIGHT_FAILED, "GPU preflight failed: node unfit to train",
-                       fault_class=FaultClass.HARDWARE)
+            self.event(
+                EventKind.PREFLIGHT_FAILED,
+                "GPU preflight failed: node unfit to train",
+                fault_class=FaultClass.HARDWARE,
+            )
             return False
         self.check_clock()
         return True
@@ -205,9 +221,12 @@ class NodeAgent:
 
     def _run_torchrun(self, channel: RankChannelServer) -> AgentExit:
         settings = self.settings
-        env = torchrun_env(dict(os.environ), agent_socket=str(settings.socket_path),
-                           stacks_dir=str(settings.stacks_dir),
-                           save_request_file=str(settings.save_request_file))
+        env = torchrun_env(
+            dict(os.environ),
+            agent_socket=str(settings.socket_path),
+            stacks_dir=str(settings.stacks_dir),
+            save_request_file=str(settings.save_request_file),
+        )
         argv = launcher_argv(settings.spec, settings.python)
         log.info("starting torchrun: %s", " ".join(argv))
         process = subprocess.Popen(argv, env=env)
@@ -221,17 +240,22 @@ class NodeAgent:
             if self._stop.wait(POLL_S):
                 self._stop_torchrun(process)
                 self._take_reports(channel)
-                self.event(EventKind.NODE_LOST, f"agent left ({self.state.stop_reason})",
-                           reason=self.state.stop_reason)
+                self.event(
+                    EventKind.NODE_LOST,
+                    f"agent left ({self.state.stop_reason})",
+                    reason=self.state.stop_reason,
+                )
                 return AgentExit.LEFT
 
     def _exit_code(self, returncode: int) -> AgentExit:
         if returncode == 0:
             return AgentExit.FINISHED
         if returncode == AgentExit.SPARE_REFUSED and self.settings.spec.spare_candidate:
-            self.event(EventKind.PREFLIGHT_FAILED,
-                       "spare refused: the wait-list fix does not know this torch",
-                       fault_class=FaultClass.INFRASTRUCTURE)
+            self.event(
+                EventKind.PREFLIGHT_FAILED,
+                "spare refused: the wait-list fix does not know this torch",
+                fault_class=FaultClass.INFRASTRUCTURE,
+            )
             return AgentExit.SPARE_REFUSED
         log.error("torchrun exited with %d", returncode)
         return AgentExit.FAILED
@@ -243,8 +267,10 @@ class NodeAgent:
         try:
             process.wait(timeout=self.settings.stop_grace_s)
         except subprocess.TimeoutExpired:
-            log.warning("torchrun did not stop in %.0f s: killing it and its workers",
-                        self.settings.stop_grace_s)
+            log.warning(
+                "torchrun did not stop in %.0f s: killing it and its workers",
+                self.settings.stop_grace_s,
+            )
             kill_tree(process.pid)
             process.wait(timeout=10)
         for worker in self.state.workers.values():  # workers orphaned by a killed torchrun
@@ -264,14 +290,23 @@ class NodeAgent:
             log.exception("GPU probe failed; training goes on")
             return
         for fault in faults:
-            self.event(EventKind.GPU_FAULT, fault.message,
-                       fault_class=FaultClass(fault.fault_class), gpu_index=fault.gpu_index,
-                       xid=fault.xid, action=fault.action)
+            self.event(
+                EventKind.GPU_FAULT,
+                fault.message,
+                fault_class=FaultClass(fault.fault_class),
+                gpu_index=fault.gpu_index,
+                xid=fault.xid,
+                action=fault.action,
+            )
 
     # -- rank reports and hangs -------------------------------------------------------------------
     def _take_reports(self, channel: RankChannelServer) -> None:
         for record in channel.drain():
             if isinstance(record, RankHeartbeat):
+                if record.pid in self.state.killed_pids:
+                    # A stopped worker continued for its stack dump may beat once before the
+                    # kill: forwarded, it would look alive while its peers went quiet.
+                    continue
                 self._saw_heartbeat(record)
             if self.reporter is not None:
                 self.reporter.add(record)
@@ -283,12 +318,19 @@ class NodeAgent:
         if hb.restart_count not in self.state.restart_counts_seen:
             self.state.restart_counts_seen.add(hb.restart_count)  # once per node, not per rank
             if hb.restart_count:
-                self.event(EventKind.RESTART, f"workers restarted (restart {hb.restart_count})",
-                           rank=hb.rank, restart_count=hb.restart_count)
+                self.event(
+                    EventKind.RESTART,
+                    f"workers restarted (restart {hb.restart_count})",
+                    rank=hb.rank,
+                    restart_count=hb.restart_count,
+                )
 
     def _kill_hung_workers(self) -> None:
-        alive = [w for w in self.state.workers.values()
-                 if w.pid not in self.state.killed_pids and is_alive(w.pid)]
+        alive = [
+            w
+            for w in self.state.workers.values()
+            if w.pid not in self.state.killed_pids and is_alive(w.pid)
+        ]
         hung = [w for w in alive if w.overdue]
         if hung:
             first = hung[0]
@@ -296,10 +338,16 @@ class NodeAgent:
         elif self.state.restart_requested and alive:
             hung, why = alive, f"controller: {self.state.restart_requested}"
         else:
+            # No worker alive: the commanded restart is under way already (torchrun restarts
+            # workers whose peers failed). Kept, it would kill the fresh workers.
+            self.state.restart_requested = ""
             return
         self.state.restart_requested = ""
-        dumps = dump_stacks({w.rank: w.pid for w in alive}, self.settings.stacks_dir,
-                            wait_s=self.settings.stack_wait_s)
+        dumps = dump_stacks(
+            {w.rank: w.pid for w in alive},
+            self.settings.stacks_dir,
+            wait_s=self.settings.stack_wait_s,
+        )
         self.event(
             EventKind.HANG,
             f"{why}: stacks saved, killing {len(hung)} worker(s)",
