@@ -76,6 +76,7 @@ def find_hangs(
     beats: Sequence[RankBeat], *, now: datetime, silent_after_s: float
 ) -> tuple[list[HangFinding], Silence | None]:
     """Hung and frozen ranks of one run, or the run's silence as a whole."""
+    beats = [b for b in beats if b.phase != "done"]  # stopped reporting on purpose
     if not beats:
         return [], None  # a plain torchrun script: node-level supervision only
     ages = {b.rank: (now - b.received_at).total_seconds() for b in beats}

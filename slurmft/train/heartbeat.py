@@ -33,6 +33,7 @@ class Phase(StrEnum):
     STEP = "step"
     CHECKPOINT = "checkpoint"
     EVAL = "eval"
+    DONE = "done"  # the last heartbeat: the rank stopped reporting on purpose (training ended)
 
 
 # Seconds without progress before a phase counts as stuck. A step deadline is per step (progress =
@@ -42,6 +43,7 @@ DEFAULT_DEADLINES_S: dict[Phase, float] = {
     Phase.STEP: 300.0,
     Phase.CHECKPOINT: 1800.0,
     Phase.EVAL: 1800.0,
+    Phase.DONE: 365 * 86400.0,  # never overdue; its silence afterwards is no hang either
 }
 
 
@@ -133,10 +135,13 @@ class Heartbeat:
         return self
 
     def stop(self) -> None:
+        """Stop sending, with a last heartbeat that says so: a rank shutting down may take a
+        while to exit, and its silence while slower peers still report is no hang."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=self.interval_s + 1)
             self._thread = None
+            self.enter(Phase.DONE)
 
     def _run(self) -> None:
         while not self._stop.is_set():

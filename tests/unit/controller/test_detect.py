@@ -57,6 +57,14 @@ def test_frozen_rank_while_peers_report() -> None:
     assert [(f.rank, f.kind, round(f.seconds)) for f in findings] == [(1, HangKind.FROZEN, 45)]
 
 
+def test_a_rank_that_said_it_is_done_is_not_frozen_while_slower_peers_report() -> None:
+    beats = [_beat(0, ago=45.0, phase="done"), _beat(1), _beat(2)]
+    assert find_hangs(beats, now=NOW, silent_after_s=30) == ([], None)
+    # Every rank done and quiet: the run ended, not the report channel.
+    done = [_beat(r, ago=120.0, phase="done") for r in range(3)]
+    assert find_hangs(done, now=NOW, silent_after_s=30) == ([], None)
+
+
 def test_whole_run_silent_is_the_channel_not_a_hang() -> None:
     beats = [_beat(r, ago=120.0 + r, age=500.0) for r in range(3)]
     findings, silence = find_hangs(beats, now=NOW, silent_after_s=30)
