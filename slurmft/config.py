@@ -292,7 +292,9 @@ SETTINGS: tuple[Setting, ...] = (
         float,
         30.0,
         "A rank whose heartbeats stop this long while its peers' still arrive is frozen (a "
-        "hang); all ranks silent together is a report-channel problem, never a hang.",
+        "hang); a node whose agent stops reporting this long while other agents report is "
+        "unresponsive (evicted from the job); all silent together is a report-channel "
+        "problem, never a hang.",
         minimum=1.0,
     ),
     Setting(

@@ -7,6 +7,10 @@ nothing and ingest can drop duplicates. Meanwhile new reports wait in a bounded 
 is full the oldest heartbeats go first (the next heartbeat supersedes them), then the oldest step
 times; events are never dropped. A 4xx reply means the controller will never take that batch
 (bad token, malformed): it is logged and dropped, not retried forever.
+
+An agent with nothing to report (a spare, or a node whose workers froze) still sends an empty
+batch every `keepalive_s`: commands ride on the replies, and the controller tells a live agent
+from a frozen one by whether it still fetches them.
 """
 
 from __future__ import annotations
@@ -164,6 +168,7 @@ class Reporter:
         max_buffered: int = 10_000,
         max_batch_items: int = 5_000,
         backoff_cap_s: float = 30.0,
+        keepalive_s: float = 2.0,
     ):
         self.transport = transport
         self.run_id, self.node = run_id, node
@@ -172,6 +177,8 @@ class Reporter:
         self.interval_s, self.max_batch_items, self.backoff_cap_s = (
             interval_s, max_batch_items, backoff_cap_s,
         )
+        self.keepalive_s = keepalive_s
+        self._last_batch_at = time.monotonic()
         self.buffer = ReportBuffer(max_buffered)
         self.counters = self.buffer.counters
         self.seq = 0
@@ -197,7 +204,9 @@ class Reporter:
 
     def _next_batch(self) -> AgentBatch | None:
         with self._lock:
-            if self.in_flight is None and len(self.buffer):
+            idle_s = time.monotonic() - self._last_batch_at
+            if self.in_flight is None and (len(self.buffer) or idle_s >= self.keepalive_s):
+                self._last_batch_at = time.monotonic()
                 heartbeats, step_times, events = self.buffer.take(self.max_batch_items)
                 self.seq += 1
                 self.in_flight = AgentBatch(

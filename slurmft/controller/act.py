@@ -145,6 +145,9 @@ class Executor:
                     self._slurm.drain(node, action.reason)
 
                 return ActionKind.DRAIN_NODE, node, drain
+            case v.EvictNode(node=node):
+                # DOWN takes the node out of a running --no-kill job (docs/slurm.md).
+                return ActionKind.EVICT_NODE, node, lambda: self._slurm.down(node, action.reason)
             case v.RestartWorkers(node=node):
                 return ActionKind.RESTART_WORKERS, node, None
             case v.RequeueJob(job_id=job_id, exclude=exclude):

@@ -19,11 +19,12 @@ from typing import Any
 
 from slurmft.config import Config
 from slurmft.controller.budget import Restart
-from slurmft.controller.detect import find_hangs, find_stragglers
+from slurmft.controller.detect import find_hangs, find_stragglers, find_unresponsive
 from slurmft.controller.views import (
     Action,
     ClusterView,
     DrainNode,
+    EvictNode,
     ExcludeNode,
     FinishRun,
     JobEnd,
@@ -142,7 +143,7 @@ def _decide_run(run: RunView, view: ClusterView, policy: Policy, gate: _DrainGat
         return _batch_host_down(run, job, view)
     actions: list[Action] = []
     removed: set[str] = set()
-    for finder in (_lost_nodes, _gpu_faults):
+    for finder in (_lost_nodes, _gpu_faults, _unresponsive_nodes):
         found, gone = finder(run, view, policy, gate)
         actions += found
         removed |= gone
@@ -309,6 +310,50 @@ def _gpu_faults(
         removed.add(fault.node)
         if lemon or policy.trust.drain_gpu_faults:
             actions += gate.drain(fault.node, run.run_id, reason, evidence)
+    return actions, removed
+
+
+def _unresponsive_nodes(
+    run: RunView, view: ClusterView, policy: Policy, gate: _DrainGate
+) -> tuple[list[Action], set[str]]:
+    """A node whose agent stopped reporting while its peers report: evicted from the running job
+    (drain, then DOWN: under --no-kill the job shrinks, it is not requeued).
+
+    The node is still OK in Slurm (a node Slurm calls lost is `_lost_nodes`' business), so only
+    slurmft can see it is useless. The evidence is the daemon's own, not the word of the run's
+    processes: the node's agent went silent on the same channel its peers still report on, and
+    a silent agent cannot restart anything, so a worker restart would not help. The exclusion
+    and the DOWN touch only this run's allocation and go ahead at once. The drain keeps the node
+    from everyone (without it DOWN does not stick while slurmd answers, and Slurm would hand the
+    frozen node to the next job), so it goes through the drain rate limits like every other
+    drain: past them a human is told instead, and the node returns to service once Slurm has
+    killed the job's processes on it."""
+    findings = find_unresponsive(
+        {agent.node: agent.last_report_at for agent in run.agents},
+        now=view.now,
+        silent_after_s=policy.silent_after_s,
+    )
+    actions: list[Action] = []
+    removed: set[str] = set()
+    usable = {n.name for n in run.nodes if n.condition is NodeCondition.OK}
+    for finding in findings:
+        node = finding.node
+        if node in run.excluded or node not in usable:
+            continue  # gone already, or Slurm itself says it is lost
+        evidence = {"seconds": round(finding.seconds, 1)}
+        actions += _event(
+            run,
+            f"unresponsive:{node}",
+            reason=finding.reason,
+            kind=EventKind.NODE_LOST,
+            fault_class=FaultClass.HARDWARE,
+            node=node,
+            evidence=evidence,
+        )
+        actions.append(ExcludeNode(run.run_id, finding.reason, evidence, node=node))
+        actions += gate.drain(node, run.run_id, finding.reason, evidence)
+        actions.append(EvictNode(run.run_id, finding.reason, evidence, node=node))
+        removed.add(node)
     return actions, removed
 
 

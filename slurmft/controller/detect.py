@@ -10,6 +10,10 @@ was measured here (notes/torchrun.md):
 - Every rank of a run silent at once is the report channel (agent, network, daemon), not every
   rank hanging: it is reported as such and never triggers a restart.
 - A run whose script never imports slurmft.train sends no heartbeats at all: no findings.
+- A node whose agent stopped reporting (agents report at least every few seconds, idle ones
+  with an empty keep-alive) while the agents on other nodes still report is unresponsive as a
+  whole: its agent froze with its workers, or the node's OS did, though its slurmd may still
+  answer Slurm. Every agent silent together is the channel again, never a node.
 - Step time alone cannot name a straggler (everyone waits for the slowest in the all-reduce);
   each rank's *own compute time* can. A rank is a straggler when its compute time exceeds the
   median of the other ranks in its peer group by more than the threshold in every bucket of the
@@ -21,7 +25,7 @@ from __future__ import annotations
 import bisect
 import statistics
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from enum import StrEnum
@@ -94,6 +98,34 @@ def find_hangs(
         if ages[b.rank] > silent_after_s
     ]
     return sorted(findings, key=lambda f: f.rank), None
+
+
+@dataclass(frozen=True)
+class UnresponsiveNode:
+    node: str
+    seconds: float  # since its agent last reported
+
+    @property
+    def reason(self) -> str:
+        return (
+            f"slurmft: node {self.node} unresponsive: its agent silent for {self.seconds:.0f}s "
+            f"while its peers report"
+        )
+
+
+def find_unresponsive(
+    last_report_at: Mapping[str, datetime], *, now: datetime, silent_after_s: float
+) -> list[UnresponsiveNode]:
+    """Nodes whose agent has not reported for longer than ``silent_after_s`` while an agent on
+    another node reported within it. A node never heard from is not judged (its agent may not
+    have started yet), and the run silent as a whole is the report channel: no findings."""
+    ages = {node: (now - at).total_seconds() for node, at in last_report_at.items()}
+    reporting = {node for node, age in ages.items() if age <= silent_after_s}
+    return [
+        UnresponsiveNode(node, age)
+        for node, age in sorted(ages.items())
+        if age > silent_after_s and reporting
+    ]
 
 
 @dataclass(frozen=True)

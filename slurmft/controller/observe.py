@@ -17,6 +17,7 @@ from slurmft.controller.budget import RestartBudget
 from slurmft.controller.detect import RankBeat, RankCompute
 from slurmft.controller.reconcile import reconcile
 from slurmft.controller.views import (
+    AgentSeen,
     ClusterView,
     GpuFault,
     JobEnd,
@@ -30,6 +31,7 @@ from slurmft.db.models import (
     Action,
     ActionKind,
     ActionStatus,
+    AgentCursor,
     Attempt,
     Event,
     EventKind,
@@ -288,6 +290,7 @@ def _run_view(
             buckets=buckets,
         ),
         gpu_faults=_gpu_faults(session, run.id, since),
+        agents=_agents_seen(session, run.id, since),
         excluded=denied_nodes(session, run_id=run.id, now=now),
         budget=RestartBudget(
             max_without_progress=max_restarts, charged_in_a_row=run.restarts_without_progress
@@ -377,6 +380,17 @@ def _placed_since(session: Session, run_id: str, since: datetime) -> datetime:
         ),
     ]
     return max([since, *(m for m in moved if m is not None)])
+
+
+def _agents_seen(session: Session, run_id: str, since: datetime) -> tuple[AgentSeen, ...]:
+    """Each node's newest agent report in this attempt (an agent step relaunched on a node
+    starts a new agent there: the newest counts)."""
+    rows = session.execute(
+        select(AgentCursor.node, func.max(AgentCursor.updated_at))
+        .where(AgentCursor.run_id == run_id, AgentCursor.updated_at >= since)
+        .group_by(AgentCursor.node)
+    ).all()
+    return tuple(AgentSeen(node, at) for node, at in rows)
 
 
 def _reported_keys(

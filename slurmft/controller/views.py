@@ -67,6 +67,15 @@ class GpuFault:
 
 
 @dataclass(frozen=True)
+class AgentSeen:
+    """When a node's agent last reported for the run (its newest batch). Agents report at least
+    every few seconds, idle ones included (a keep-alive), so a silent one is frozen or gone."""
+
+    node: str
+    last_report_at: datetime
+
+
+@dataclass(frozen=True)
 class JobView:
     job_id: str
     phase: JobPhase
@@ -84,6 +93,7 @@ class RunView:
     beats: tuple[RankBeat, ...] = ()  # empty for a script that never imports slurmft.train
     compute: tuple[RankCompute, ...] = ()
     gpu_faults: tuple[GpuFault, ...] = ()
+    agents: tuple[AgentSeen, ...] = ()  # nodes whose agent reported in this attempt
     excluded: frozenset[str] = frozenset()  # nodes already out of this run
     budget: RestartBudget = field(default_factory=RestartBudget)
     cancel_requested: bool = False
@@ -139,6 +149,14 @@ class ExcludeNode(Action):
 @dataclass(frozen=True)
 class DrainNode(Action):
     """Drain in Slurm for everyone (trust policy and rate limits already applied) and denylist."""
+
+    node: str = ""
+
+
+@dataclass(frozen=True)
+class EvictNode(Action):
+    """Set the node DOWN in Slurm: under --no-kill the running job shrinks to its other nodes
+    (not requeued, measured on 22.05; docs/slurm.md). A DrainNode before it keeps it out."""
 
     node: str = ""
 

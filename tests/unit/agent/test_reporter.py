@@ -136,6 +136,22 @@ def test_reply_commands_reach_the_agent(controller: FakeController) -> None:
     assert commands == [Command("leave", "node n1 cordoned")]
 
 
+def test_an_idle_agent_still_fetches_its_commands(controller: FakeController) -> None:
+    """Nothing to report (a spare, frozen workers): empty batches every keepalive_s."""
+    controller.commands = [Command("restart_workers", "rank 1 silent")]
+    commands: list[Command] = []
+    reporter = Reporter(HttpTransport(controller.url, "tok"), run_id="r1", node="n1",
+                        on_command=commands.append, interval_s=0.05, keepalive_s=0.1)
+    reporter.start()
+    try:
+        wait_until(lambda: len(controller.accepted) >= 2)
+    finally:
+        reporter.stop(flush_timeout_s=1)
+    first = controller.accepted[0]
+    assert (first.heartbeats, first.step_times, first.events) == ((), (), ())
+    assert commands[0] == Command("restart_workers", "rank 1 silent")
+
+
 def test_a_rejected_batch_is_dropped_not_retried_forever(controller: FakeController) -> None:
     controller.status = 401
     reporter = Reporter(HttpTransport(controller.url, "wrong"), run_id="r1", node="n1",

@@ -12,8 +12,10 @@ from slurmft.controller.decide import Policy, TrustPolicy, decide
 from slurmft.controller.detect import RankBeat, RankCompute
 from slurmft.controller.views import (
     Action,
+    AgentSeen,
     ClusterView,
     DrainNode,
+    EvictNode,
     ExcludeNode,
     FinishRun,
     GpuFault,
@@ -103,6 +105,21 @@ def _compute(slow_rank: int | None, factor: float = 1.3) -> tuple[RankCompute, .
     )
 
 
+def _agents(**ago: float) -> tuple[AgentSeen, ...]:
+    """Each node's agent last reported 1 s ago, or `ago` seconds for the nodes named."""
+    return tuple(AgentSeen(n.name, NOW - timedelta(seconds=ago.get(n.name, 1.0))) for n in _nodes())
+
+
+# n3's agent (its worker with it) has not reported for 40 s while the others report every
+# second; its slurmd still answers, so Slurm calls the node fine.
+FROZEN_NODE = {"beats": _beats(r2={"ago": 40.0}), "agents": _agents(n3=40.0)}
+UNRESPONSIVE = [
+    ("RecordEvent", "node_lost@n3"),
+    ("ExcludeNode", "n3"),
+    ("DrainNode", "n3"),
+    ("EvictNode", "n3"),
+]
+
 XID79 = GpuFault("n2", FaultAction.DRAIN, "Xid 79 GPU has fallen off the bus (GPU 3)", 79, 3)
 XID13 = GpuFault("n2", FaultAction.RESTART_APP, "Xid 13 graphics engine exception (GPU 0)", 13, 0)
 
@@ -188,6 +205,46 @@ CASES = [
         "frozen rank (SIGSTOP) while peers report",
         _view(_run(beats=_beats(r2={"ago": 60.0}))),
         [("RecordEvent", "hang@n3"), ("RestartWorkers", "n3")],
+    ),
+    (
+        "node unresponsive (agent and workers silent, peers report): exclude, drain, evict",
+        _view(_run(**FROZEN_NODE)),
+        UNRESPONSIVE,
+    ),
+    (
+        "agent silent for less than silent_after_s: nothing yet",
+        _view(_run(agents=_agents(n3=20.0))),
+        [],
+    ),
+    (
+        "frozen worker whose agent still reports (keep-alive): a hang, the workers restart",
+        _view(_run(beats=_beats(r2={"ago": 40.0}), agents=_agents())),
+        [("RecordEvent", "hang@n3"), ("RestartWorkers", "n3")],
+    ),
+    (
+        "unresponsive node past the drain limits: excluded and evicted, a human told",
+        _view(_run(**FROZEN_NODE), drains_last_hour=4),
+        [UNRESPONSIVE[0], UNRESPONSIVE[1], ("NotifyHuman", ""), UNRESPONSIVE[3]],
+    ),
+    (
+        "unresponsive node Slurm already calls lost: a node loss, nothing to evict",
+        _view(_run(**FROZEN_NODE | {"nodes": _nodes(lost=("n3",))})),
+        [("RecordEvent", "node_lost@n3"), ("ExcludeNode", "n3")],
+    ),
+    (
+        "unresponsive node already out of the run: nothing more",
+        _view(_run(**FROZEN_NODE | {"excluded": frozenset({"n3"})})),
+        [],
+    ),
+    (
+        "every agent silent: the channel, never a node",
+        _view(
+            _run(
+                beats=_beats(r0={"ago": 90.0}, r1={"ago": 90.0}, r2={"ago": 90.0}),
+                agents=_agents(n1=90.0, n2=90.0, n3=90.0, n4=90.0),
+            )
+        ),
+        [("RecordEvent", "channel_silent")],
     ),
     (
         "whole run silent: channel problem, no restart",
@@ -301,6 +358,20 @@ def test_reasons_are_readable_in_slurm() -> None:
         "slurmft: Xid 79 GPU has fallen off the bus (GPU 3)",
         "slurmft: straggler rank 2 +30% over median, slow in 1 windows",
     ]
+
+
+def test_an_unresponsive_node_is_drained_before_it_is_set_down() -> None:
+    """DOWN alone does not stick while the node's slurmd answers: the drain must come first."""
+    actions = decide(_view(_run(**FROZEN_NODE)), POLICY)
+    drain, evict = (
+        next(a for a in actions if isinstance(a, kind)) for kind in (DrainNode, EvictNode)
+    )
+    assert actions.index(drain) < actions.index(evict)
+    assert (
+        evict.reason
+        == "slurmft: node n3 unresponsive: its agent silent for 40s while its peers report"
+    )
+    assert evict.evidence == {"seconds": 40.0}
 
 
 def test_one_node_is_drained_once_per_pass() -> None:
