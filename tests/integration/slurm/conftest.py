@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import shutil
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -44,3 +46,14 @@ def daemon(tmp_path: Path) -> Iterator[DaemonProcess]:
     """`slurmft daemon` on a fresh SQLite store (tests that need other settings override it)."""
     with running_daemon(tmp_path) as process:
         yield process
+
+
+@pytest.fixture
+def open_dir() -> Iterator[Path]:
+    """A directory every user can reach (pytest's own tmp_path is private to root)."""
+    path = Path(tempfile.mkdtemp(prefix="slurmft-users-"))
+    path.chmod(0o755)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)

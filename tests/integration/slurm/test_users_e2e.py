@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
@@ -33,17 +31,6 @@ from slurmft.db.states import RunState
 from slurmft.slurm.api import JobState
 
 pytestmark = pytest.mark.users
-
-
-@pytest.fixture
-def open_dir() -> Iterator[Path]:
-    """A directory every user can reach (pytest's own tmp_path is private to root)."""
-    path = Path(tempfile.mkdtemp(prefix="slurmft-users-"))
-    path.chmod(0o755)
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 @contextmanager
