@@ -124,7 +124,14 @@ def test_users_see_and_cancel_only_their_own_runs(
     assert "events" in _cli_json(daemon, alice, "events", run.run_id)  # type: ignore[operator]
     root_sees = json.loads(slurmft(daemon.env, "runs", "--json"))
     assert _run_ids(root_sees) == sorted([run.run_id, bobs])
-    cluster.client.cancel(bobs_job)  # before alice's job frees the nodes it waits for
+    # Bob ends his own run before alice's job frees the nodes it waits for (through slurmft: a
+    # job cancelled behind the daemon's back looks preempted, and the daemon would resubmit it).
+    assert run_slurmft(daemon.client_env(), "cancel", bobs, as_user=bob).returncode == 0
+    wait_for(
+        "bob's job to be cancelled",
+        lambda: cluster.client.job(bobs_job).state,
+        lambda state: state is JobState.CANCELLED,
+    )
 
     cancelled = run_slurmft(daemon.client_env(), "cancel", run.run_id, as_user=alice)
     assert cancelled.returncode == 0, cancelled.stderr
