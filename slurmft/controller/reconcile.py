@@ -112,7 +112,10 @@ def _next_attempt(session: Session, ended: Attempt, job: JobInfo, now: datetime)
         run_id=ended.run_id,
         number=ended.number + 1,
         slurm_job_id=ended.slurm_job_id,
-        slurm_restarts=job.restarts,
+        # squeue has no restart count (it reads 0): a requeue seen there as the job waiting
+        # again is one more than the ended attempt's. Left at 0, scontrol's real count would
+        # later look like yet another requeue and open a spurious attempt.
+        slurm_restarts=max(job.restarts, ended.slurm_restarts + 1),
         # Explicit: the column default is applied only at INSERT, and _apply reads it before.
         state=AttemptState.SUBMITTED,
         submitted_at=now,
