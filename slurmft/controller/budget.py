@@ -76,6 +76,14 @@ class RestartBudget:
         )
 
     def stop_reason(self) -> str:
+        if not self.exhausted:
+            # The batch step gave up on its own count (agent steps that ended), which the
+            # daemon does not see: say what the cap means, not this budget's smaller count.
+            return (
+                f"crash loop: more than {self.max_without_progress} restarts in a row without "
+                f"a newer verified checkpoint; the cap is {self.max_without_progress} "
+                f"(policy.max_restarts_without_progress)"
+            )
         return (
             f"crash loop: {self.charged_in_a_row - 1} restarts in a row without progress (no "
             f"newer verified checkpoint than {self.last_progress or 'none'}), then another "

@@ -162,3 +162,9 @@ def test_a_hang_is_charged_and_failed_jobs_count_with_in_place_restarts() -> Non
     assert again.charged_in_a_row == 1
     same = budget_from_history([*history, _checkpoint(-5, 5), _checkpoint(150, 5)], 2)
     assert same.charged_in_a_row == 3
+
+
+def test_the_reason_when_the_batch_step_gave_up_on_a_count_the_daemon_did_not_see() -> None:
+    reason = RestartBudget(max_without_progress=5, charged_in_a_row=0).stop_reason()
+    assert reason.startswith("crash loop: more than 5 restarts in a row without a newer")
+    assert "-1" not in reason and "(policy.max_restarts_without_progress)" in reason
