@@ -78,15 +78,19 @@ def loss_daemon(loss_conf: Path, tmp_path: Path) -> Iterator[DaemonProcess]:
         yield process
 
 
-def _lose_a_node(cluster: Cluster, run: SubmittedRun, lost: list[str], since: str) -> str:
-    """Kill an active node other than the batch host once a checkpoint newer than `since`
-    exists (training goes on after the previous loss); returns how the run is to recover."""
-    wait_for(
-        f"a checkpoint newer than {since or 'none'}",
+def _newer_checkpoint(run: SubmittedRun, than: str) -> float:
+    """Seconds until a checkpoint newer than `than` exists: the run trains again."""
+    _, seconds = wait_for(
+        f"a checkpoint newer than {than or 'none'}",
         lambda: newest_checkpoint(str(run.ckpt_dir)),
-        lambda newest: newest > since,
+        lambda newest: newest > than,
         timeout_s=180,
     )
+    return seconds
+
+
+def _lose_a_node(cluster: Cluster, run: SubmittedRun, lost: list[str]) -> str:
+    """Kill an active node other than the batch host; returns how the run is to recover."""
     job = cluster.client.job(run.job_id)
     held = [n for n in job.nodes if n not in lost]
     active = sorted(set(run.beating_nodes().values()) - {job.batch_host} - set(lost))
@@ -115,21 +119,30 @@ def test_six_node_losses_with_progress_between_them_do_not_stop_the_run(
     lost: list[str] = []
     ways: list[str] = []
     checkpoint = ""
+    _newer_checkpoint(run, checkpoint)
     for _ in range(LOSSES):
-        loss_at = time.monotonic()
-        ways.append(_lose_a_node(loss_cluster, run, lost, checkpoint))
+        ways.append(_lose_a_node(loss_cluster, run, lost))
+        # No save completes once a rank is gone (saves are collective): the next loss waits
+        # for one newer than this.
         checkpoint = newest_checkpoint(str(run.ckpt_dir))
-        wait_for(
+        _, detected_s = wait_for(
             f"the daemon to record the loss of {lost[-1]}",
             lambda: {e.node for e in run.events(Event.kind == EventKind.NODE_LOST)},
             lambda nodes: lost[-1] in nodes,
             timeout_s=90,
         )
-        print(f"\nloss {len(lost)}: {lost[-1]} ({ways[-1]}), {time.monotonic() - loss_at:.0f} s")
+        trains_s = detected_s + _newer_checkpoint(run, checkpoint)
+        print(
+            f"\nloss {len(lost)}: {lost[-1]} ({ways[-1]}): recorded after {detected_s:.0f} s, "
+            f"a newer checkpoint {trains_s:.0f} s after the kill"
+        )
         assert run.run().state is not RunState.STOPPED, run.run().end_reason
 
     final, _ = wait_for("the run to end", run.run, lambda r: r.state.is_terminal, timeout_s=300)
-    print(f"six losses {ways}: run {final.state.value} after {time.monotonic() - started:.0f} s")
+    print(
+        f"six losses {ways}: run {final.state.value} after {time.monotonic() - started:.0f} s, "
+        f"{final.restarts_without_progress} restarts without progress counted"
+    )
     assert final.state is RunState.COMPLETED, final.end_reason
     assert ways == ["spare", "requeue"] * 3
     daemon_lost = run.events(Event.kind == EventKind.NODE_LOST, Event.source == "daemon")
