@@ -8,8 +8,8 @@ with `slurmft submit` to the real `slurmft daemon` (SQLite store), waits until i
   the all-reduce, still arrive: the frozen rank only the daemon can see; the peers' collective
   timeout and step deadline are set past the daemon's silent_after_s so they do not end it
   first). hang_declared_s: the stop -> the daemon's hang event for rank 1 in the store;
-  hang_recovered_s: the stop -> the first step rank 0 completes in a later torchrun attempt
-  (the daemon told the node's agent to restart its workers; they resume from the checkpoint).
+  hang_recovered_s: the stop -> the first step rank 0 completes in the restarted world (the
+  daemon told the node's agent to restart its workers; they resume from the last checkpoint).
 - straggler: a run whose rank 1 computes 30% slower from step K (--slow-factor,
   --slow-from-step). straggler_steps: steps rank 0 completed after K until the daemon's
   straggler event for rank 1 is in the store (the in-process detector's own report, sent by an
@@ -57,6 +57,7 @@ from slurmft.slurm.cli_backend import CliSlurmClient  # noqa: E402
 
 EXAMPLE = ["-m", "slurmft.train.examples.tiny", "--ckpt-dir", "{ckpt}", "--out-dir", "{out}"]
 FAULT_RANK = 1
+STALL_STEP = 40  # --hang stall: well after the run is seen training (step 10)
 POLL_S = 0.1
 T = TypeVar("T")
 
@@ -72,6 +73,7 @@ class Settings:
     slow_factor: float
     slow_from_step: int
     timeout_s: float
+    keep: bool = False  # each trial's directory: job log, losses, the run's events
 
     @property
     def patience_s(self) -> float:
@@ -166,7 +168,10 @@ def submitted(
         if clock is not None:
             clock.stop()
         cluster.undo()  # cancels the job, waits for every node idle
-        shutil.rmtree(tmp, ignore_errors=True)
+        if settings.keep:
+            print(f"  kept {tmp}", file=sys.stderr)
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def worker_pid(run: SubmittedRun, rank: int) -> int:
@@ -199,7 +204,6 @@ def first_event(run: SubmittedRun, kind: EventKind, since: float, **where: objec
 def hang_trial(daemon: DaemonProcess, slurm_conf: Path, settings: Settings) -> tuple[float, float]:
     with submitted(daemon, slurm_conf, settings, "hang") as (run, clock):
         pid = worker_pid(run, FAULT_RANK)
-        attempt = clock.seen[-1][1]["attempt"]
         stopped_at = time.time()
         os.kill(pid, signal.SIGSTOP)
         try:
@@ -212,17 +216,69 @@ def hang_trial(daemon: DaemonProcess, slurm_conf: Path, settings: Settings) -> t
             )
             declared = event.recorded_at.timestamp() - stopped_at
             print(f"  hang declared: {event.message}", file=sys.stderr)
-            resumed = until(
-                "a step in a later torchrun attempt",
-                lambda: next(
-                    (at for at, rec in list(clock.seen) if rec["attempt"] > attempt), None
-                ),
-                settings.timeout_s,
-            )
-            return declared, resumed - stopped_at
+            return declared, training_again(run, clock, stopped_at, settings) - stopped_at
         finally:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)  # the stopped worker, if nothing else ended it
+
+
+def stall_trial(daemon: DaemonProcess, slurm_conf: Path, settings: Settings) -> tuple[float, float]:
+    """Rank 1 stops calling collectives after step STALL_STEP (tiny's --hang-at-step); its
+    heartbeats go on, overdue after the step deadline, set to silent_after_s here. The peers
+    wait inside the same all-reduce, so they are overdue as soon: the daemon cannot tell them
+    apart from the heartbeats it gets. Every hang event is printed with its rank and source."""
+    stall = [
+        *("--hang-at-step", f"{STALL_STEP}@0", "--fault-rank", str(FAULT_RANK)),
+        *("--step-deadline-s", f"{settings.silent_after_s:g}"),
+    ]
+    with submitted(daemon, slurm_conf, settings, "stall", *stall) as (run, clock):
+        stalled_at = until(
+            f"step {STALL_STEP}",
+            lambda: next((at for at, rec in list(clock.seen) if rec["step"] >= STALL_STEP), None),
+            settings.timeout_s,
+        )
+        event = until(
+            "a hang event", lambda: first_event(run, EventKind.HANG, stalled_at), settings.timeout_s
+        )
+        recovered = training_again(run, clock, stalled_at, settings)
+        hangs = [
+            f"rank {e.rank} by the {e.source} after {e.recorded_at.timestamp() - stalled_at:.1f} s"
+            for e in run.events(Event.kind == EventKind.HANG)
+        ]
+        print(f"  hang events: {'; '.join(hangs)}", file=sys.stderr)
+        return event.recorded_at.timestamp() - stalled_at, recovered - stalled_at
+
+
+def training_again(
+    run: SubmittedRun, clock: StepClock, stopped_at: float, settings: Settings
+) -> float:
+    """When rank 0 of the restarted world completed its first step: the first step seen after
+    rank 0 wrote `resumed` (the old world may still finish a step: the agent lets a stopped
+    worker go on for its stack dump before it kills it)."""
+    resumed = until(
+        "the restarted world's resume from its checkpoint",
+        lambda: next(
+            (
+                e
+                for e in run.jsonl("events.jsonl")
+                if e.get("event") == "resumed" and e["time"] > stopped_at
+            ),
+            None,
+        ),
+        settings.timeout_s,
+    )
+    again_at, again = until(
+        "a step of the restarted world",
+        lambda: next(((at, rec) for at, rec in list(clock.seen) if at > resumed["time"]), None),
+        settings.timeout_s,
+    )
+    print(
+        f"  rank 0 at step {clock_step(clock, stopped_at)} at the stop; resumed from step "
+        f"{resumed['step']} {resumed['time'] - stopped_at:.1f} s after it; step {again['step']} "
+        "done",
+        file=sys.stderr,
+    )
+    return again_at
 
 
 def straggler_trial(
@@ -278,7 +334,16 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--slow-from-step", type=int, default=20)
     parser.add_argument("--timeout-s", type=float, default=300.0, help="per awaited outcome")
     parser.add_argument("--only", choices=("hang", "straggler"), help="run one kind of trial")
+    parser.add_argument(
+        "--hang",
+        choices=("sigstop", "stall"),
+        default="sigstop",
+        help="sigstop: rank 1's worker frozen (the daemon's own case: no heartbeats); stall: "
+        "rank 1 stops calling collectives (tiny --hang-at-step), heartbeats go on and turn "
+        "overdue; the first hang event of any rank and source counts",
+    )
     parser.add_argument("--keep-cluster", action="store_true", help="leave a started cluster up")
+    parser.add_argument("--keep", action="store_true", help="keep each trial's directory")
     return parser.parse_args()
 
 
@@ -294,6 +359,7 @@ def main() -> int:
         slow_factor=args.slow_factor,
         slow_from_step=args.slow_from_step,
         timeout_s=args.timeout_s,
+        keep=args.keep,
     )
     print(f"settings: {settings.describe()}")
     hangs: list[tuple[float, float]] = []
@@ -306,7 +372,8 @@ def main() -> int:
         ):
             for trial in range(1, args.trials + 1):
                 if args.only != "straggler":
-                    hangs.append(hang_trial(daemon, conf, settings))
+                    trial_of = stall_trial if args.hang == "stall" else hang_trial
+                    hangs.append(trial_of(daemon, conf, settings))
                     print(f"trial {trial}: hang declared {hangs[-1][0]:.1f} s, training again "
                           f"{hangs[-1][1]:.1f} s after the stop", flush=True)  # fmt: skip
                 if args.only != "hang":
