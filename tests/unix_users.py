@@ -268,4 +268,9 @@ class TestUsers:
 def make_test_users() -> TestUsers:
     """Build the shared environment (the caller removes it: ``users.shared.remove()``)."""
     runner = UnixUser(pwd.getpwnam(ALICE), Path("/nonexistent"))
-    return TestUsers(SharedVenv(runner).build())
+    shared = SharedVenv(runner)
+    try:
+        return TestUsers(shared.build())
+    except BaseException:
+        shared.remove()
+        raise

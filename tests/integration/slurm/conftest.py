@@ -50,7 +50,8 @@ def daemon(tmp_path: Path) -> Iterator[DaemonProcess]:
 
 @pytest.fixture
 def open_dir() -> Iterator[Path]:
-    """A directory every user can reach (pytest's own tmp_path is private to root)."""
+    """A directory every user can reach (pytest's own tmp_path is private to root). A test with
+    jobs writing in it asks for it before `cluster`, so that it is removed after their end."""
     path = Path(tempfile.mkdtemp(prefix="slurmft-users-"))
     path.chmod(0o755)
     try:

@@ -92,7 +92,7 @@ def _pending_run(
 @pytest.mark.slurm
 @pytest.mark.torch
 def test_users_see_and_cancel_only_their_own_runs(
-    cluster: Cluster, root_daemon: DaemonProcess, test_users: TestUsers, open_dir: Path
+    open_dir: Path, cluster: Cluster, root_daemon: DaemonProcess, test_users: TestUsers
 ) -> None:
     alice, bob = test_users.alice, test_users.bob
     daemon = root_daemon
@@ -158,7 +158,7 @@ def _drain_of(run: SubmittedRun, node: str) -> Action | None:
 @pytest.mark.slurm
 @pytest.mark.torch
 def test_a_daemon_without_slurm_privileges_records_drain_requested_and_goes_on(
-    cluster: Cluster, test_users: TestUsers, open_dir: Path
+    open_dir: Path, cluster: Cluster, test_users: TestUsers
 ) -> None:
     bob = test_users.bob
     home = bob.own(open_dir / "bob")
