@@ -62,6 +62,7 @@ class Policy:
     straggler_window_s: float = 300.0
     straggler_window_buckets: int = STRAGGLER_WINDOW_BUCKETS
     silent_after_s: float = 30.0
+    unresponsive_after_s: float = 60.0
     trust: TrustPolicy = TrustPolicy()
 
     @property
@@ -75,6 +76,7 @@ class Policy:
             straggler_threshold=config["policy.straggler_threshold"],
             straggler_window_s=config["policy.straggler_window_s"],
             silent_after_s=config["policy.silent_after_s"],
+            unresponsive_after_s=config["policy.unresponsive_after_s"],
             trust=TrustPolicy(
                 drain_gpu_faults=config["trust.drain_gpu_faults"],
                 straggler_drain_after_windows=config["trust.straggler_drain_after_windows"],
@@ -184,10 +186,18 @@ def _job_ended(run: RunView, job: JobView, view: ClusterView) -> list[Action]:
     resubmit_key = f"resubmit:{job.job_id}"
     if resubmit_key in run.reported:
         return []
-    if end is JobEnd.CANCELLED and run.cancel_requested:
-        return [FinishRun(run.run_id, "cancelled by its owner", state=RunState.CANCELLED)]
-    if end in {JobEnd.TIME_LIMIT, JobEnd.PREEMPTED, JobEnd.CANCELLED}:
-        # Expected ends (a cancel nobody asked for is Slurm's preemption under CANCEL mode).
+    if end is JobEnd.CANCELLED:
+        # Slurm ends a job preempted under PreemptMode=CANCEL as PREEMPTED; CANCELLED is
+        # scancel by its owner or an admin, and someone who cancels a job means it.
+        reason = (
+            "cancelled by its owner"
+            if run.cancel_requested
+            else f"job {job.job_id} was cancelled outside slurmft (scancel by its owner or an "
+            f"admin); the run ends with it"
+        )
+        return [FinishRun(run.run_id, reason, state=RunState.CANCELLED)]
+    if end in {JobEnd.TIME_LIMIT, JobEnd.PREEMPTED}:
+        # Expected ends: not failures, not charged.
         kind = EventKind.TIME_LIMIT if end is JobEnd.TIME_LIMIT else EventKind.PREEMPTED
         reason = f"job {job.job_id} ended ({end.value}); resubmitting from the last checkpoint"
         return [
@@ -322,7 +332,10 @@ def _unresponsive_nodes(
     The node is still OK in Slurm (a node Slurm calls lost is `_lost_nodes`' business), so only
     slurmft can see it is useless. The evidence is the daemon's own, not the word of the run's
     processes: the node's agent went silent on the same channel its peers still report on, and
-    a silent agent cannot restart anything, so a worker restart would not help. The exclusion
+    a silent agent cannot restart anything, so a worker restart would not help. Evicting and
+    draining weigh more than restarting workers, so the silence must last longer
+    (policy.unresponsive_after_s, 60 s, against 30 s for a silent rank): a live agent starved of
+    CPU for a while must not cost its node. The exclusion
     and the DOWN touch only this run's allocation and go ahead at once. The drain keeps the node
     from everyone (without it DOWN does not stick while slurmd answers, and Slurm would hand the
     frozen node to the next job), so it goes through the drain rate limits like every other
@@ -331,7 +344,7 @@ def _unresponsive_nodes(
     findings = find_unresponsive(
         {agent.node: agent.last_report_at for agent in run.agents},
         now=view.now,
-        silent_after_s=policy.silent_after_s,
+        silent_after_s=policy.unresponsive_after_s,
     )
     actions: list[Action] = []
     removed: set[str] = set()

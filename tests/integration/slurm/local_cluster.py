@@ -66,6 +66,20 @@ class Cluster:
         self._jobs.append(job_id)
         return job_id
 
+    def preempt(self, node: str, seconds: int = 30) -> str:
+        """An `urgent` job (the higher partition tier) that needs all of `node`: Slurm cancels
+        the jobs in its way (PreemptMode=CANCEL; they end PREEMPTED)."""
+        cpus = int(self.client.node(node).raw["CPUTot"])
+        return self.submit(
+            ["sleep", str(seconds)],
+            nodes=1,
+            partition="urgent",
+            ntasks_per_node=1,
+            cpus_per_task=cpus,
+            job_name="slurmft-test-urgent",
+            exclude=tuple(n for n in self.client.nodes() if n != node),
+        )
+
     def wait_running(self, job_id: str, timeout_s: float = 30.0) -> tuple[JobInfo, float]:
         return wait_for(
             f"job {job_id} RUNNING",

@@ -110,9 +110,9 @@ def _agents(**ago: float) -> tuple[AgentSeen, ...]:
     return tuple(AgentSeen(n.name, NOW - timedelta(seconds=ago.get(n.name, 1.0))) for n in _nodes())
 
 
-# n3's agent (its worker with it) has not reported for 40 s while the others report every
+# n3's agent (its worker with it) has not reported for 90 s while the others report every
 # second; its slurmd still answers, so Slurm calls the node fine.
-FROZEN_NODE = {"beats": _beats(r2={"ago": 40.0}), "agents": _agents(n3=40.0)}
+FROZEN_NODE = {"beats": _beats(r2={"ago": 90.0}), "agents": _agents(n3=90.0)}
 UNRESPONSIVE = [
     ("RecordEvent", "node_lost@n3"),
     ("ExcludeNode", "n3"),
@@ -212,13 +212,13 @@ CASES = [
         UNRESPONSIVE,
     ),
     (
-        "agent silent for less than silent_after_s: nothing yet",
-        _view(_run(agents=_agents(n3=20.0))),
+        "agent silent for less than unresponsive_after_s (60 s): nothing yet",
+        _view(_run(agents=_agents(n3=50.0))),
         [],
     ),
     (
         "frozen worker whose agent still reports (keep-alive): a hang, the workers restart",
-        _view(_run(beats=_beats(r2={"ago": 40.0}), agents=_agents())),
+        _view(_run(beats=_beats(r2={"ago": 90.0}), agents=_agents())),
         [("RecordEvent", "hang@n3"), ("RestartWorkers", "n3")],
     ),
     (
@@ -281,9 +281,14 @@ CASES = [
         [("RecordEvent", "time_limit"), ("SubmitAttempt", "n4,n9")],
     ),
     (
-        "cancelled by nobody (preemption under CANCEL mode): resubmit",
-        _view(_run(job=JobView("101", JobPhase.ENDED, JobEnd.CANCELLED))),
+        "preempted (PreemptMode=CANCEL ends it PREEMPTED): resubmit, not charged",
+        _view(_run(job=JobView("101", JobPhase.ENDED, JobEnd.PREEMPTED))),
         [("RecordEvent", "preempted"), ("SubmitAttempt", "")],
+    ),
+    (
+        "scancel outside slurmft (owner or admin): the run ends cancelled, no resubmission",
+        _view(_run(job=JobView("101", JobPhase.ENDED, JobEnd.CANCELLED))),
+        [("FinishRun", "cancelled")],
     ),
     (
         "ended job already resubmitted (or waiting for its owner): not again",
@@ -369,9 +374,9 @@ def test_an_unresponsive_node_is_drained_before_it_is_set_down() -> None:
     assert actions.index(drain) < actions.index(evict)
     assert (
         evict.reason
-        == "slurmft: node n3 unresponsive: its agent silent for 40s while its peers report"
+        == "slurmft: node n3 unresponsive: its agent silent for 90s while its peers report"
     )
-    assert evict.evidence == {"seconds": 40.0}
+    assert evict.evidence == {"seconds": 90.0}
 
 
 def test_one_node_is_drained_once_per_pass() -> None:
