@@ -292,10 +292,17 @@ SETTINGS: tuple[Setting, ...] = (
         float,
         30.0,
         "A rank whose heartbeats stop this long while its peers' still arrive is frozen (a "
-        "hang); a node whose agent stops reporting this long while other agents report is "
-        "unresponsive (evicted from the job); all silent together is a report-channel "
-        "problem, never a hang.",
+        "hang); all ranks silent together is a report-channel problem, never a hang.",
         minimum=1.0,
+    ),
+    Setting(
+        "policy.unresponsive_after_s",
+        float,
+        60.0,
+        "A node whose agent stops reporting this long while the run's other agents report is "
+        "unresponsive: out of the run, drained (within the drain limits) and set DOWN, which "
+        "evicts it from a --no-kill job. Agents report at least every 2 s (a keep-alive).",
+        minimum=5.0,
     ),
     Setting(
         "trust.drain_gpu_faults",

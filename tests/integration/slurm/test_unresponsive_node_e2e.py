@@ -41,9 +41,9 @@ pytestmark = [pytest.mark.slurm, pytest.mark.torch]
 
 STEPS = 120
 EXAMPLE = ["-m", "slurmft.train.examples.tiny", "--ckpt-dir", "{ckpt}", "--out-dir", "{out}"]
-# An agent silent for 15 s while its peers report is unresponsive (10 s saw ranks of a healthy
-# node starved that long under a load average of 10 on 2 cores).
-SILENT_AFTER_S = 15
+# An agent silent for 15 s while its peers report is unresponsive (production: 60 s; 10 s saw
+# ranks of a healthy node starved that long under a load average of 10 on 2 cores).
+UNRESPONSIVE_AFTER_S = 15
 
 
 def run_processes_on(run: SubmittedRun, node: str) -> set[int]:
@@ -104,7 +104,9 @@ def _latest_step(run: SubmittedRun) -> int:
 def test_a_frozen_node_is_evicted_from_the_running_job_and_the_spare_takes_over(
     cluster: Cluster, tmp_path: Path
 ) -> None:
-    with running_daemon(tmp_path, SLURMFT_POLICY_SILENT_AFTER_S=str(SILENT_AFTER_S)) as daemon:
+    with running_daemon(
+        tmp_path, SLURMFT_POLICY_UNRESPONSIVE_AFTER_S=str(UNRESPONSIVE_AFTER_S)
+    ) as daemon:
         run = submit(
             cluster,
             daemon,
