@@ -6,20 +6,23 @@ daemon's own create_run and attach_job operations: a run token, a Slurm job) wit
 8 ranks in all, and the history detection reads: every rank's step times over the straggler
 window and its newest heartbeat. Then each tick does what the daemon does in one poll interval:
 
-- ingest: every agent's batch of that interval (a heartbeat per rank, the step times of the
-  steps that ended in it) through the endpoint's own request handling (parse the JSON, check
-  the run token, store, build the reply), one transaction per agent as over HTTP;
+- ingest: one batch from every agent (a heartbeat per rank, the step times of the steps that
+  ended in the interval) through the endpoint's own request handling (parse the JSON, check
+  the run token, store, build the reply), one transaction per agent as over HTTP. Agents send
+  a batch every agent.report_interval_s (1 s by default), so a 5-s poll interval really
+  carries five of these per agent;
 - observe: `gather` from the store, with Slurm answered by a fake runner that prints what
   `squeue` and `sinfo -N` print, parsed by the real client (Slurm's own latency is NOT measured
   here: on a real cluster add two command round trips);
 - decide: `decide` (it runs the hang and straggler detectors);
 - act: `Executor.execute` of the decided actions (store rows; no Slurm call is decided).
 
-The data holds one rank stuck in its step past the deadline, one frozen rank (no heartbeats
-since before the window) and one straggler (30% slower compute in every bucket); the bench
+The data holds one rank stuck in its step past the deadline, one frozen rank (no heartbeat
+for 3 x silent_after_s) and one straggler (30% slower compute in every bucket); the bench
 checks on every tick that the detectors find all three, that the first tick decides the hang
 events, the restarts and the straggler, that later ticks do not repeat them (they are
-recorded), and that the next ingest hands the restart and leave commands to the agents.
+recorded), and that the next ingest hands the restart commands (and, with a spare, the
+straggler's leave) to the agents.
 
 Reported per phase and in total: process CPU time (time.process_time: the daemon's own work,
 store included for SQLite, the PostgreSQL server's not) and wall time, medians over --ticks.
