@@ -363,14 +363,17 @@ def _step_samples(session: Session, run_id: str, since: datetime) -> list[StepSa
 
 def _placed_since(session: Session, run_id: str, since: datetime) -> datetime:
     """When the run's ranks last moved between nodes: a node left it, or workers restarted
-    (a spare joining restarts everyone). Step times carry a rank, not a node, and a rank is
-    mapped to the node that holds it now; compute times from before a move would be charged
-    to the rank's new node (the old straggler's slowness to the spare), so only later ones
-    count, and the window must fill again before anyone is judged."""
+    (a spare joining restarts everyone) or are about to (a rank saw a peer fail: every worker
+    restarts, and the ranks exit one by one, so one quiet while another still beats is no
+    hang). Step times carry a rank, not a node, and a rank is mapped to the node that holds
+    it now; compute times from before a move would be charged to the rank's new node (the old
+    straggler's slowness to the spare), so only later ones count, and the window must fill
+    again before anyone is judged."""
     moved = [
         session.scalar(
             select(func.max(Event.occurred_at)).where(
-                Event.run_id == run_id, Event.kind == EventKind.RESTART
+                Event.run_id == run_id,
+                Event.kind.in_((EventKind.RESTART, EventKind.COLLECTIVE_ERROR)),
             )
         ),
         session.scalar(
