@@ -25,6 +25,9 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
+from slurmft.slurm.cli_backend import CliSlurmClient
+from slurmft.slurm.runner import CommandResult, SubprocessRunner
+
 ALICE, BOB = "slurmft-alice", "slurmft-bob"
 NAMES = (ALICE, BOB)
 REPO = Path(__file__).resolve().parents[1]
@@ -117,12 +120,34 @@ class UnixUser:
         """Start ``argv`` as this user (a long-lived process: a daemon, a watcher)."""
         return subprocess.Popen(list(argv), **self.popen_args(env, **kwargs))
 
+    def slurm_client(self, slurm_conf: str, timeout_s: float = 30) -> CliSlurmClient:
+        """A Slurm client whose commands (sbatch, scontrol, ...) run as this user, with this
+        user's environment (a job submitted with it inherits that environment)."""
+        return CliSlurmClient(_AsUser(self, slurm_conf), timeout_s=timeout_s)
+
     def own(self, path: Path) -> Path:
         """Make ``path`` (a directory, created if missing) this user's, reachable by others."""
         path.mkdir(parents=True, exist_ok=True)
         os.chown(path, self.uid, self.gid)
         path.chmod(0o755)
         return path
+
+
+class _AsUser(SubprocessRunner):
+    def __init__(self, user: UnixUser, slurm_conf: str) -> None:
+        super().__init__(user.env({"SLURM_CONF": slurm_conf, "PATH": os.environ["PATH"]}))
+        self._setpriv = [
+            "setpriv",
+            f"--reuid={user.uid}",
+            f"--regid={user.gid}",
+            "--init-groups",
+            "--",
+        ]
+
+    def run(
+        self, argv: Sequence[str], timeout: float, *, stdin: str | None = None
+    ) -> CommandResult:
+        return super().run([*self._setpriv, *argv], timeout, stdin=stdin)
 
 
 def _login_env() -> dict[str, str]:

@@ -24,6 +24,7 @@ from typing import Any
 
 import pytest
 from agent_cluster import wait_for
+from unix_users import TestUsers, UnixUser
 
 from slurmft.agent.batch import BatchSpec, submit_request
 from slurmft.slurm.cli_backend import CliSlurmClient
@@ -123,7 +124,10 @@ def submit(
     *,
     time_limit: str | None = None,
     save_lead_s: int = 300,
+    as_user: UnixUser | None = None,
 ) -> Job:
+    """The batch script of a 3 + 1 run of the example, submitted as root or as ``as_user`` (then
+    it runs as them: ``workdir`` must be theirs)."""
     ckpt = str(workdir / "ckpt")
     script = (
         "-m",
@@ -141,7 +145,7 @@ def submit(
         script=script,
         ckpt_dir=ckpt,
         store_port=port,
-        slurmft=SLURMFT,
+        slurmft=SLURMFT if as_user is None else as_user.slurmft,
     )
     request = dataclasses.replace(
         submit_request(
@@ -154,7 +158,10 @@ def submit(
         ntasks_per_node=1,
         cpus_per_task=1,
     )
-    return Job(cluster.client.submit(request), workdir)
+    if as_user is None:
+        return Job(cluster.client.submit(request), workdir)
+    request = dataclasses.replace(request, workdir=str(workdir))
+    return Job(as_user.slurm_client(cluster.conf).submit(request), workdir)
 
 
 def workers_on(cluster: Cluster, step: str, node: str) -> int:
@@ -322,22 +329,36 @@ LONG_STEPS = 600
 LONG_ARGS = [*TINY_ARGS, "--steps", str(LONG_STEPS)]
 
 
+@pytest.fixture
+def alice_dir(test_users: TestUsers) -> Iterator[Path]:
+    """A directory of slurmft-alice's that she reaches (pytest's tmp_path is private to root)."""
+    path = test_users.alice.own(Path(tempfile.mkdtemp(prefix="slurmft-batch-")))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.mark.users
 def test_time_limit_signal_saves_requeues_and_resumes(
-    cluster: Cluster, tmp_path: Path, free_port: int
+    cluster: Cluster, alice_dir: Path, free_port: int, test_users: TestUsers
 ) -> None:
     """Slurm itself sends USR1 to the batch shell before the time limit (the `--signal` that
-    submit_request sets with a time limit): the ranks save, the batch step requeues its own job,
-    and the next attempt resumes from that save with identical losses and its restart budget
-    untouched. (`scancel --batch --signal=USR1 JOB` sends the same signal at once.)"""
+    submit_request sets with a time limit): the ranks save, the batch step requeues its own job
+    (as its owner, an unprivileged user), and the next attempt resumes from that save with
+    identical losses and its restart budget untouched. (`scancel --batch --signal=USR1 JOB`
+    sends the same signal at once.)"""
     job = submit(
         cluster,
-        tmp_path,
+        alice_dir,
         free_port,
         LONG_ARGS,
         time_limit=str(TIME_LIMIT_MIN),
         save_lead_s=SAVE_LEAD_S,
+        as_user=test_users.alice,
     )
     try:
+        assert cluster.client.job(job.job_id).raw["UserId"].startswith(test_users.alice.name)
         wait_for(job.records, 150, f"training under Slurm\n{job.output()[-3000:]}")
         started = _start_time(cluster, job)
         wait_for(
@@ -347,14 +368,14 @@ def test_time_limit_signal_saves_requeues_and_resumes(
         )
         # The next attempt gets the time for the rest: one time limit is what this test is about.
         _set_time_limit(cluster, job, minutes=15)
-        assert _budget(tmp_path)["history"] == ["time limit: saved and requeued"]
+        assert _budget(alice_dir)["history"] == ["time limit: saved and requeued"]
         # The save on USR1: the requested one, or an interval save that came first.
         last = max(job.events("saved"), key=lambda e: e["step"])
         assert last["time"] - started < TIME_LIMIT_MIN * 60  # before Slurm's limit
         wait_for(lambda: job.events("done"), 420, f"the end\n{job.output()[-3000:]}")
         (resumed,) = job.events("resumed")
         assert resumed["step"] == last["step"] < LONG_STEPS
-        budget = _budget(tmp_path)
+        budget = _budget(alice_dir)
         assert budget["restarts_without_progress"] == 0  # a time limit is not a crash
         assert budget["requeues"] == 1
         assert_replays_match(job, steps=LONG_STEPS)
@@ -362,8 +383,8 @@ def test_time_limit_signal_saves_requeues_and_resumes(
         cluster.client.cancel(job.job_id)
 
 
-def _budget(tmp_path: Path) -> dict[str, Any]:
-    return json.loads((tmp_path / "ckpt" / "slurmft-batch-state.json").read_text())
+def _budget(workdir: Path) -> dict[str, Any]:
+    return json.loads((workdir / "ckpt" / "slurmft-batch-state.json").read_text())
 
 
 def _set_time_limit(cluster: Cluster, job: Job, minutes: int) -> None:
