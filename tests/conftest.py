@@ -82,7 +82,8 @@ def test_users() -> Iterator[TestUsers]:
       exit status returned, not checked) and `popen(argv, env=None, **kwargs)` to start one;
     - `env(env)`: the environment those get: ``env`` (default: PATH, LANG and SLURM_CONF) with the
       user's HOME/USER/LOGNAME/SHELL and the shared environment's bin/ first on PATH;
-    - `slurmft`: the `slurmft` command the user runs; `own(path)`: a directory made theirs.
+    - `slurmft`: the `slurmft` command the user runs; `own(path)`: a directory made theirs;
+    - `slurm_client(slurm_conf)`: a CliSlurmClient whose sbatch/scontrol/... run as the user.
 
     The users cannot reach this checkout or its .venv (they may be under /root): `slurmft`,
     `python` and their PATH point at a world-readable copy of the environment made for this
