@@ -26,10 +26,11 @@ from slurmft.db.states import RunState
 pytestmark = [pytest.mark.slurm, pytest.mark.torch]
 
 EXAMPLE = ["-m", "slurmft.train.examples.tiny", "--ckpt-dir", "{ckpt}", "--out-dir", "{out}"]
-# Heartbeats every second (TINY); a rank silent for 5 s while its peers report is frozen. The
+# Heartbeats every second (TINY); a rank silent for 10 s while its peers report is frozen (the
+# default is 30 s; below 10, two loaded cores delay reports enough for false alarms). The
 # peers' step deadline (300 s) and collective timeout (30 s) are longer: the daemon, not a
 # collective timeout, ends this hang.
-SILENT_AFTER_S = 5
+SILENT_AFTER_S = 10
 
 
 @pytest.fixture
