@@ -7,9 +7,10 @@ Synthetic deterministic regression data, an MLP with dropout (so RNG state matte
 momentum and a warmup-then-linear LR schedule, gradients all-reduced by hand with the telemetry
 slots piggy-backed. Rank 0 appends one JSON line per step to `<out-dir>/losses.jsonl` (loss, LR,
 a fingerprint of the samples of the global batch) and events to `<out-dir>/events.jsonl`; at the
-end it writes `<out-dir>/final_weights.pt`. Flags inject faults for tests: a slow rank or node, a crash
-at a step, a hang, a kill in the middle of a save, a long save. `--work-ms` simulates per-step
-device compute with a sleep, so timing tests do not depend on CPU contention between ranks.
+end it writes `<out-dir>/final_weights.pt`. Flags inject faults for tests: a slow rank or node,
+a crash at a step, a hang, a kill in the middle of a save, a long save. `--work-ms` simulates
+per-step device compute with a sleep, so timing tests do not depend on CPU contention between
+ranks.
 """
 
 from __future__ import annotations
