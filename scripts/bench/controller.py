@@ -11,9 +11,12 @@ window and its newest heartbeat. Then each tick does what the daemon does in one
   the run token, store, build the reply), one transaction per agent as over HTTP. Agents send
   a batch every agent.report_interval_s (1 s by default), so a 5-s poll interval really
   carries five of these per agent;
-- observe: `gather` from the store, with Slurm answered by a fake runner that prints what
-  `squeue` and `sinfo -N` print, parsed by the real client (Slurm's own latency is NOT measured
-  here: on a real cluster add two command round trips);
+- observe: `gather` from the store, with the daemon's held straggler window (StepWindows: the
+  step times added since the last pass are read, not the whole window; the window is read
+  whole once before the first tick, as after a daemon start, and that read is reported), and
+  Slurm answered by a fake runner that prints what `squeue` and `sinfo -N` print, parsed by
+  the real client (Slurm's own latency is NOT measured here: on a real cluster add two
+  command round trips);
 - decide: `decide` (it runs the hang and straggler detectors);
 - act: `Executor.execute` of the decided actions (store rows; no Slurm call is decided).
 
@@ -60,6 +63,7 @@ from slurmft.controller.decide import Policy, decide
 from slurmft.controller.detect import HangKind, find_hangs, find_stragglers
 from slurmft.controller.http import _Handler
 from slurmft.controller.observe import gather
+from slurmft.controller.step_window import StepWindows
 from slurmft.controller.user_ops import operations
 from slurmft.db import Database
 from slurmft.db.ingest import HeartbeatReport, StepTimeReport, record_heartbeats, record_step_times
@@ -374,6 +378,8 @@ def one_tick(
     config: Config,
     bodies: Sequence[tuple[str, str, bytes]],
     now: datetime,
+    *,
+    steps: StepWindows,
 ) -> Tick:
     """What the daemon does in one poll interval: the agents' batches, then its control pass
     (Daemon.control_pass: gather -> decide -> execute, in the same calls)."""
@@ -388,6 +394,7 @@ def one_tick(
             now=now,
             max_restarts=config["policy.max_restarts_without_progress"],
             lemon_min_runs=config["trust.lemon_min_runs"],
+            steps=steps,
         )
     assert tick.view.slurm_reachable
     with tick.phase("decide"):
@@ -550,9 +557,17 @@ def bench(
     rows = fill_history(database, runs, shape, start, faults)
     print(f"history: {rows:,} rows in {time.perf_counter() - began:.1f} s", file=sys.stderr)
     slurm = CliSlurmClient(FakeSlurm(runs, extra_idle=64))
-    # The daemon's first pass after the submission: the runs become RUNNING (not measured).
+    # The daemon's first pass after the submission: the runs become RUNNING, and the straggler
+    # window is read whole (a cold start; not part of a tick).
+    steps = StepWindows()
+    cpu, wall = time.process_time(), time.perf_counter()
     with database.session() as session:
-        gather(session, slurm, now=start, max_restarts=5)
+        gather(session, slurm, now=start, max_restarts=5, steps=steps)
+    print(
+        f"first pass (cold straggler window, {steps.rows_read:,} rows): "
+        f"cpu {time.process_time() - cpu:.3f} s wall {time.perf_counter() - wall:.3f} s",
+        file=sys.stderr,
+    )
 
     profiler = cProfile.Profile() if args.profile else None
     ticks: list[Tick] = []
@@ -561,7 +576,7 @@ def bench(
         bodies = agent_batches(runs, shape, start, now, faults)
         if profiler:
             profiler.enable()
-        tick = one_tick(database, slurm, config, bodies, now)
+        tick = one_tick(database, slurm, config, bodies, now, steps=steps)
         if profiler:
             profiler.disable()
         # With a spare the straggler's node left at tick 1: its ranks moved, the window restarts.

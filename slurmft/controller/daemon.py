@@ -42,6 +42,7 @@ from slurmft.controller.notify import Notifier
 from slurmft.controller.observe import gather
 from slurmft.controller.resubmit import OwnerSubmitter
 from slurmft.controller.rpc import SOCKET_NAME, RpcServer
+from slurmft.controller.step_window import StepWindows
 from slurmft.controller.user_ops import operations
 from slurmft.controller.webhook import WebhookOutbox
 from slurmft.db import Database, DatabaseUnavailable
@@ -100,6 +101,8 @@ class Daemon:
             else None
         )
         self.clock = clock
+        # The straggler window's step times, read incrementally from one pass to the next.
+        self.step_windows = StepWindows()
         self.passes = 0
         self.last_pass_at: datetime | None = None
         self.skipped_because: str | None = None  # why the last pass decided nothing
@@ -131,6 +134,7 @@ class Daemon:
                     lemon_min_runs=self.config["trust.lemon_min_runs"],
                     bucket=self.policy.straggler_bucket,
                     buckets=self.policy.straggler_window_buckets,
+                    steps=self.step_windows,
                 )
         except DatabaseUnavailable as exc:
             log.warning("control pass skipped: %s", exc)
@@ -216,6 +220,8 @@ class Daemon:
         except DatabaseUnavailable as exc:
             log.warning("retention pass skipped: %s", exc)
             return
+        if folded:  # raw rows left the store: the held windows must not count them
+            self.step_windows.invalidate()
         if folded or pruned:
             log.info("retention: folded %d step times, pruned %d heartbeat samples", folded, pruned)
 

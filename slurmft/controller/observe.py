@@ -16,6 +16,7 @@ from slurmft.agent.batch import BatchExit
 from slurmft.controller.budget import RestartBudget
 from slurmft.controller.detect import RankBeat, RankCompute
 from slurmft.controller.reconcile import reconcile
+from slurmft.controller.step_window import StepWindows
 from slurmft.controller.views import (
     AgentSeen,
     ClusterView,
@@ -184,8 +185,12 @@ def gather(
     lemon_min_runs: int = 2,
     bucket: timedelta = timedelta(minutes=1),
     buckets: int = 5,
+    steps: StepWindows | None = None,
 ) -> ClusterView:
-    """Everything ``decide`` needs, from the store and two batched Slurm queries."""
+    """Everything ``decide`` needs, from the store and two batched Slurm queries.
+
+    With ``steps`` (the daemon's, kept between passes) the straggler window's step times are
+    read incrementally; without it, whole."""
     runs = session.scalars(select(Run).where(Run.state.in_(LIVE_RUN_STATES))).all()
     attempts = {run.id: _latest_attempt(session, run.id) for run in runs}
     job_ids = sorted({a.slurm_job_id for a in attempts.values() if a and a.slurm_job_id})
@@ -200,6 +205,8 @@ def gather(
     except (SlurmUnreachable, SlurmTimeout):
         return ClusterView(now=now, slurm_reachable=False)
     reconcile(session, {run.id: (run, attempts[run.id]) for run in runs}, jobs, now=now)
+    if steps is not None:
+        steps.keep_only({run.id for run in runs})  # an ended run's window is forgotten
     attempts = {run.id: _latest_attempt(session, run.id) for run in runs}  # requeues add one
     views = tuple(
         _run_view(
@@ -212,6 +219,7 @@ def gather(
             max_restarts=max_restarts,
             bucket=bucket,
             buckets=buckets,
+            steps=steps,
         )
         for run in runs
     )
@@ -271,24 +279,28 @@ def _run_view(
     max_restarts: int,
     bucket: timedelta,
     buckets: int,
+    steps: StepWindows | None = None,
 ) -> RunView:
     info = jobs.get(attempt.slurm_job_id) if attempt and attempt.slurm_job_id else None
     job = job_view(info, nodes) if info else None
     since = attempt.submitted_at if attempt else run.created_at
+    placed_since = _placed_since(session, run.id, since)
+    window_since = max(now - bucket * buckets, placed_since)
+    if steps is None:
+        compute = rank_compute(
+            _step_samples(session, run.id, window_since), now=now, bucket=bucket, buckets=buckets
+        )
+    else:
+        compute = steps.rank_compute(
+            session, run.id, since=window_since, now=now, bucket=bucket, buckets=buckets
+        )
     return RunView(
         run_id=run.id,
         nodes_needed=run.nodes,
         job=job,
         nodes=_node_views(session, attempt, info, nodes),
-        beats=_beats(session, run.id, attempt, _placed_since(session, run.id, since)),
-        compute=rank_compute(
-            _step_samples(
-                session, run.id, max(now - bucket * buckets, _placed_since(session, run.id, since))
-            ),
-            now=now,
-            bucket=bucket,
-            buckets=buckets,
-        ),
+        beats=_beats(session, run.id, attempt, placed_since),
+        compute=compute,
         gpu_faults=_gpu_faults(session, run.id, since),
         agents=_agents_seen(session, run.id, since),
         excluded=denied_nodes(session, run_id=run.id, now=now),
