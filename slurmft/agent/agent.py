@@ -33,6 +33,7 @@ from slurmft.db.models import EventKind, FaultClass
 from slurmft.protocol import AgentEvent, Command, CommandKind, RankHeartbeat
 
 log = logging.getLogger("slurmft.agent")
+LEAVE_PREFIX = "leave: "  # the stop reason of an agent the controller told to leave
 
 POLL_S = 0.1
 # The controller repeats a pending command in every reply until it sees its effect; one restart
@@ -136,7 +137,7 @@ class NodeAgent:
 
     def on_command(self, command: Command) -> None:
         if command.kind == CommandKind.LEAVE:
-            self.request_stop(f"leave: {command.reason or 'asked by the controller'}")
+            self.request_stop(f"{LEAVE_PREFIX}{command.reason or 'asked by the controller'}")
         elif command.kind == CommandKind.RESTART_WORKERS:
             now = time.monotonic()
             if now - self.state.last_commanded_restart >= RESTART_COMMAND_COOLDOWN_S:
@@ -246,6 +247,13 @@ class NodeAgent:
                     reason=self.state.stop_reason,
                 )
                 return AgentExit.LEFT
+
+    def outcome(self, code: AgentExit) -> str:
+        """How this agent ended, for the batch step (batch.StepOutcomes): a node the controller
+        cordoned is told apart from one stopped by a signal (the batch step's own stop)."""
+        if code is AgentExit.LEFT and self.state.stop_reason.startswith(LEAVE_PREFIX):
+            return "LEFT_CORDONED"
+        return code.name
 
     def _exit_code(self, returncode: int) -> AgentExit:
         if returncode == 0:

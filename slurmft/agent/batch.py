@@ -52,7 +52,7 @@ class BatchSpec:
     slurmft: str = "slurmft"  # the slurmft executable on the compute nodes
     token_file: str = ""
 
-    def agent_argv(self, store_host: str) -> list[str]:
+    def agent_argv(self, store_host: str, outcome_dir: str = "") -> list[str]:
         argv = [
             self.slurmft, "agent", "run",
             f"--nodes={self.nodes}",
@@ -62,6 +62,8 @@ class BatchSpec:
         ]
         if self.token_file:
             argv.append(f"--token-file={self.token_file}")
+        if outcome_dir:
+            argv.append(f"--outcome-dir={outcome_dir}")
         return [*argv, "--", *self.script]
 
     def batch_argv(self) -> list[str]:
@@ -138,6 +140,52 @@ def usable_nodes(
     return found
 
 
+# --- what each agent of a step says about how it ended -----------------------------------------
+#
+# srun reports only the highest exit code of its tasks, so "training finished on the agents that
+# trained, and the one the controller told to leave exited 4" reads as a failure, and the batch
+# step would relaunch into a rendezvous that is closed. Each agent therefore writes how it ended
+# into the step's outcome directory (shared, in the checkpoint directory), and the batch step
+# reads them: one agent whose torchrun succeeded means training finished, and an agent that left
+# because the controller cordoned its node (or found it unfit) keeps that node out of the
+# relaunched steps of this job.
+
+FINISHED_OUTCOME = "FINISHED"
+CORDONING_OUTCOMES = frozenset({"LEFT_CORDONED", "PREFLIGHT_FAILED"})
+
+
+def write_step_outcome(outcome_dir: str, node: str, outcome: str, reason: str = "") -> None:
+    directory = Path(outcome_dir)
+    directory.mkdir(parents=True, exist_ok=True)
+    partial = directory / f".{node}.tmp"
+    partial.write_text(json.dumps({"node": node, "outcome": outcome, "reason": reason}))
+    os.replace(partial, directory / f"{node}.json")  # the reader sees all of it or nothing
+
+
+@dataclass(frozen=True)
+class StepOutcomes:
+    by_node: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def read(cls, outcome_dir: str) -> StepOutcomes:
+        found = {}
+        for path in sorted(Path(outcome_dir).glob("*.json")) if outcome_dir else ():
+            try:
+                record = json.loads(path.read_text())
+                found[str(record["node"])] = str(record["outcome"])
+            except (OSError, ValueError, KeyError, TypeError):
+                continue  # a torn or foreign file says nothing
+        return cls(found)
+
+    @property
+    def finished(self) -> bool:
+        return FINISHED_OUTCOME in self.by_node.values()
+
+    @property
+    def cordoned(self) -> frozenset[str]:
+        return frozenset(n for n, o in self.by_node.items() if o in CORDONING_OUTCOMES)
+
+
 # --- the restart budget, kept in the checkpoint directory across requeues ---------------------
 
 
@@ -188,12 +236,25 @@ class Decision:
     nodes: tuple[str, ...] = ()
 
 
-def after_step(
-    returncode: int, usable: Sequence[str], spec: BatchSpec, state: BudgetState, checkpoint: str
+def after_step(  # noqa: PLR0917 (the step's whole result)
+    returncode: int,
+    usable: Sequence[str],
+    spec: BatchSpec,
+    state: BudgetState,
+    checkpoint: str,
+    outcomes: StepOutcomes | None = None,
 ) -> Decision:
-    """What follows an agent step that ended with `returncode`; updates the budget in `state`."""
+    """What follows an agent step that ended with `returncode` (and its agents' `outcomes`);
+    updates the budget in `state`. `usable` must already leave out the cordoned nodes."""
     if returncode == 0:
         return Decision(Move.FINISH, "training finished")
+    if outcomes is not None and outcomes.finished:
+        others = {n: o for n, o in outcomes.by_node.items() if o != FINISHED_OUTCOME}
+        return Decision(
+            Move.FINISH,
+            f"training finished (agent step exit {returncode}: "
+            f"{', '.join(f'{n} {o.lower()}' for n, o in sorted(others.items())) or 'no outcome'})",
+        )
     # The daemon's own rule (slurmft.controller.budget), so the two never disagree.
     budget = RestartBudget(
         max_without_progress=spec.max_restarts_without_progress,

@@ -18,12 +18,14 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import replace
+from pathlib import Path
 
 from slurmft.agent.batch import (
     BatchExit,
     BatchSpec,
     BudgetState,
     Move,
+    StepOutcomes,
     after_step,
     newest_checkpoint,
     srun_argv,
@@ -33,6 +35,8 @@ from slurmft.agent.store import StoreSupervisor
 from slurmft.slurm.api import SignalTarget, SlurmClient, SlurmError
 
 log = logging.getLogger("slurmft.batch")
+
+OUTCOME_ROOT = ".slurmft/steps"  # under the checkpoint directory: one folder per agent step
 
 
 def free_port(host: str) -> int:
@@ -57,6 +61,21 @@ class BatchStep:
         self.poll_s, self.stop_grace_s = poll_s, stop_grace_s
         self.state = BudgetState.load(spec.ckpt_dir)
         self.save_requested = threading.Event()
+        self.outcome_dir = ""  # the current agent step's (see batch.StepOutcomes)
+        self.cordoned: set[str] = set()  # nodes whose agents left this job for good
+
+    def _new_outcome_dir(self) -> str:
+        path = Path(self.spec.ckpt_dir) / OUTCOME_ROOT / f"{self.job_id}.{self.state.step_launches}"
+        path.mkdir(parents=True, exist_ok=True)
+        return str(path)
+
+    def _read_outcomes(self) -> StepOutcomes:
+        outcomes = StepOutcomes.read(self.outcome_dir)
+        newly = outcomes.cordoned - self.cordoned
+        if newly:
+            log.info("cordoned for this job (their agents left): %s", ",".join(sorted(newly)))
+            self.cordoned |= newly
+        return outcomes
 
     def request_save_and_requeue(self) -> None:
         """The USR1 handler: only sets a flag; the loop does the work."""
@@ -65,7 +84,7 @@ class BatchStep:
     def usable(self) -> list[str]:
         job = self.client.job(self.job_id)
         # A --no-kill job shrinks when a node dies; SLURM_JOB_NODELIST is not updated.
-        return usable_nodes(job.nodes, self.client.nodes(job.nodes))
+        return usable_nodes(job.nodes, self.client.nodes(job.nodes), sorted(self.cordoned))
 
     def run(self) -> BatchExit:
         if self.spec.store_port == 0:
@@ -89,8 +108,9 @@ class BatchStep:
             returncode = self._run_step(nodes)
             if self.save_requested.is_set():
                 return self._save_and_requeue_done()
+            outcomes = self._read_outcomes()
             decision = after_step(returncode, self.usable(), self.spec, self.state,
-                                  newest_checkpoint(self.spec.ckpt_dir))
+                                  newest_checkpoint(self.spec.ckpt_dir), outcomes)
             self.state.history.append(decision.reason)
             self.state.save(self.spec.ckpt_dir)
             log.info("%s", decision.reason)
@@ -103,7 +123,8 @@ class BatchStep:
             nodes = list(decision.nodes)
 
     def _run_step(self, nodes: Sequence[str]) -> int:
-        argv = srun_argv(nodes, self.spec.agent_argv(self.store_host))
+        self.outcome_dir = self._new_outcome_dir()
+        argv = srun_argv(nodes, self.spec.agent_argv(self.store_host, self.outcome_dir))
         step = subprocess.Popen(argv)
         next_check = time.monotonic() + self.poll_s
         while step.poll() is None:
@@ -120,6 +141,7 @@ class BatchStep:
     def _step_cannot_recover(self, nodes: Sequence[str]) -> bool:
         """Fewer than N of the step's nodes left: the survivors would wait out the rendezvous
         timeout for a node that is gone; end the step and relaunch on what is usable now."""
+        self._read_outcomes()  # an agent that left mid-step took its node with it
         try:
             alive = set(self.usable()) & set(nodes)
         except SlurmError as error:

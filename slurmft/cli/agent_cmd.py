@@ -16,6 +16,7 @@ from typing import Annotated
 import typer
 
 from slurmft.agent.agent import AgentSettings, NodeAgent
+from slurmft.agent.batch import write_step_outcome
 from slurmft.agent.command import TorchrunSpec
 from slurmft.agent.probe import NodeGpuProbe
 from slurmft.agent.store import StoreSupervisor
@@ -68,6 +69,10 @@ def run(  # noqa: PLR0917 (typer: one parameter per option)
         Path | None, typer.Option(help="Node-local directory for the socket and stack dumps.")
     ] = None,
     local_addr: Annotated[str, typer.Option(help="This node's address on the job network.")] = "",
+    outcome_dir: Annotated[
+        str,
+        typer.Option(help="Shared directory where this agent writes how it ended (batch step)."),
+    ] = "",
 ) -> None:
     """Run torchrun for this node: `slurmft agent run --nodes 3 ... -- train.py --lr 0.1`."""
     config = state(ctx).config
@@ -109,7 +114,10 @@ def run(  # noqa: PLR0917 (typer: one parameter per option)
     gpu = GpuProbe.from_config(config, since_monotonic_s=time.monotonic())
     agent = NodeAgent(settings, probe=NodeGpuProbe(gpu))
     _install_stop_signals(agent)
-    raise typer.Exit(int(agent.run()))
+    code = agent.run()
+    if outcome_dir:
+        write_step_outcome(outcome_dir, node, agent.outcome(code), agent.state.stop_reason)
+    raise typer.Exit(int(code))
 
 
 def _install_stop_signals(agent: NodeAgent) -> None:

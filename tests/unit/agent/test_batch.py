@@ -11,12 +11,14 @@ from slurmft.agent.batch import (
     BatchSpec,
     BudgetState,
     Move,
+    StepOutcomes,
     after_step,
     job_script,
     newest_checkpoint,
     srun_argv,
     submit_request,
     usable_nodes,
+    write_step_outcome,
 )
 from slurmft.slurm.api import NodeInfo
 from slurmft.slurm.commands import submit_argv
@@ -121,3 +123,32 @@ def test_the_batch_step_and_the_daemon_share_one_budget() -> None:
     while not (budget := budget.charge(Restart(FaultClass.USER_CODE))).exhausted:
         restarts += 1
     assert launches == restarts == SPEC.max_restarts_without_progress
+
+
+def test_a_step_whose_agents_finished_is_finished_though_one_left(tmp_path: Path) -> None:
+    """srun's exit is the highest of its tasks': the agent told to leave exited 4 while the
+    others finished training. The outcomes say so; the budget is not touched."""
+    step = str(tmp_path / "steps" / "7.1")
+    for node in ("n1", "n3", "n4"):
+        write_step_outcome(step, node, "FINISHED")
+    write_step_outcome(step, "n2", "LEFT_CORDONED", "leave: slurmft: straggler rank 1")
+    (Path(step) / "n9.json").write_text("{torn")  # ignored, not fatal
+    outcomes = StepOutcomes.read(step)
+    assert outcomes.cordoned == {"n2"} and outcomes.finished
+    state = BudgetState(restarts_without_progress=2)
+    decision = after_step(4, ["n1", "n3", "n4"], SPEC, state, "step-000000005", outcomes)
+    assert decision.move is Move.FINISH
+    assert decision.reason == "training finished (agent step exit 4: n2 left_cordoned)"
+    assert state.restarts_without_progress == 2
+
+
+def test_a_stopped_or_failed_agent_cordons_nothing_and_finishes_nothing(tmp_path: Path) -> None:
+    step = str(tmp_path / "7.2")
+    write_step_outcome(step, "n1", "LEFT")  # stopped by a signal: the batch step's own stop
+    write_step_outcome(step, "n2", "FAILED")
+    write_step_outcome(step, "n3", "PREFLIGHT_FAILED")  # unfit: kept out of this job
+    outcomes = StepOutcomes.read(step)
+    assert outcomes.cordoned == {"n3"} and not outcomes.finished
+    assert StepOutcomes.read(str(tmp_path / "absent")).by_node == {}
+    decision = after_step(1, ["n1", "n2", "n4"], SPEC, BudgetState(), "", outcomes)
+    assert decision.move is Move.RELAUNCH and decision.nodes == ("n1", "n2", "n4")
