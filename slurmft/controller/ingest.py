@@ -15,9 +15,10 @@ from __future__ import annotations
 import hashlib
 import hmac
 import secrets
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from sqlalchemy import select
+from sqlalchemy import bindparam, insert, or_, select, update
 from sqlalchemy.orm import Session
 
 from slurmft.db.ingest import record_heartbeats, record_step_times
@@ -32,8 +33,9 @@ from slurmft.db.models import (
     EventKind,
     FaultClass,
     Run,
+    utcnow,
 )
-from slurmft.db.records import denied_nodes, finish_action, record_event
+from slurmft.db.records import finish_action, record_event
 from slurmft.errors import SlurmftError
 from slurmft.protocol import (
     AgentBatch,
@@ -64,16 +66,65 @@ def hash_token(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
 
-def _authorize(session: Session, run_id: str, token: str) -> Run:
-    run = session.get(Run, run_id)
+_RUNS = Run.__table__
+_CURSORS = AgentCursor.__table__
+_ACTIONS = Action.__table__
+_DENYLIST = DenylistEntry.__table__
+
+# Everything a batch needs before it is stored, in one statement (built once, like all below:
+# a batch is a few ranks, and building a statement costs more than running it): the run's
+# token hash, its latest attempt, and the agent's cursor.
+_BATCH_STATE = select(
+    _RUNS.c.token_hash,
+    select(Attempt.__table__.c.id)
+    .where(Attempt.__table__.c.run_id == _RUNS.c.id)
+    .order_by(Attempt.__table__.c.number.desc())
+    .limit(1)
+    .scalar_subquery(),
+    select(_CURSORS.c.last_seq)
+    .where(_CURSORS.c.run_id == _RUNS.c.id, _CURSORS.c.agent_id == bindparam("agent_id"))
+    .scalar_subquery(),
+).where(_RUNS.c.id == bindparam("run_id"))
+_NEW_CURSOR = insert(_CURSORS)
+_MOVE_CURSOR = (
+    update(_CURSORS)
+    .where(_CURSORS.c.run_id == bindparam("run"), _CURSORS.c.agent_id == bindparam("agent"))
+    .values(last_seq=bindparam("seq"), updated_at=bindparam("at"))
+)
+# The node is kept out of every run, or out of this one (records.denied_nodes, for one node).
+_NODE_DENIED = (
+    select(_DENYLIST.c.id)
+    .where(
+        _DENYLIST.c.node == bindparam("node"),
+        _DENYLIST.c.removed_at.is_(None),
+        or_(_DENYLIST.c.expires_at.is_(None), _DENYLIST.c.expires_at > bindparam("now")),
+        or_(_DENYLIST.c.run_id.is_(None), _DENYLIST.c.run_id == bindparam("run_id")),
+    )
+    .limit(1)
+)
+_PENDING_RESTARTS = select(_ACTIONS.c.id).where(
+    _ACTIONS.c.run_id == bindparam("run_id"),
+    _ACTIONS.c.node == bindparam("node"),
+    _ACTIONS.c.kind == ActionKind.RESTART_WORKERS,
+    _ACTIONS.c.status == ActionStatus.PLANNED,
+)
+
+
+@dataclass(frozen=True)
+class _BatchState:
+    run_id: str
+    attempt_id: int | None
+    last_seq: int | None  # the agent's cursor; None before its first batch
+
+
+def _authorize(session: Session, batch: AgentBatch, token: str) -> _BatchState:
+    row = session.execute(
+        _BATCH_STATE, {"run_id": batch.run_id, "agent_id": batch.agent_id}
+    ).first()
     # The same answer for an unknown run and a wrong token: a token does not reveal run ids.
-    if (
-        run is None
-        or run.token_hash is None
-        or not hmac.compare_digest(run.token_hash, hash_token(token))
-    ):
-        raise IngestRefused(403, f"token not valid for run {run_id}")
-    return run
+    if row is None or row[0] is None or not hmac.compare_digest(row[0], hash_token(token)):
+        raise IngestRefused(403, f"token not valid for run {batch.run_id}")
+    return _BatchState(batch.run_id, row[1], row[2])
 
 
 def ingest_batch(
@@ -85,50 +136,51 @@ def ingest_batch(
     sample_every: timedelta = timedelta(seconds=60),
 ) -> BatchReply:
     """Store one agent batch (once) and answer with the agent's commands."""
-    run = _authorize(session, batch.run_id, token)
-    cursor = session.get(AgentCursor, (run.id, batch.agent_id))
-    if cursor is None or batch.seq > cursor.last_seq:
-        _store(session, run, batch, now, sample_every)
-        if cursor is None:
-            session.add(
-                AgentCursor(
-                    run_id=run.id,
-                    agent_id=batch.agent_id,
-                    node=batch.node,
-                    last_seq=batch.seq,
-                    updated_at=now,
-                )
+    state = _authorize(session, batch, token)
+    if state.last_seq is None or batch.seq > state.last_seq:
+        _store(session, state, batch, now, sample_every)
+        if state.last_seq is None:
+            session.execute(
+                _NEW_CURSOR,
+                {
+                    "run_id": state.run_id,
+                    "agent_id": batch.agent_id,
+                    "node": batch.node,
+                    "last_seq": batch.seq,
+                    "updated_at": now,
+                },
             )
         else:
-            cursor.last_seq, cursor.updated_at = batch.seq, now
+            session.execute(
+                _MOVE_CURSOR,
+                {"run": state.run_id, "agent": batch.agent_id, "seq": batch.seq, "at": now},
+            )
     return BatchReply(
         acked_seq=batch.seq,
         server_time=now.timestamp(),
-        commands=tuple(_commands(session, run, batch.node)),
+        commands=tuple(_commands(session, state.run_id, batch.node)),
     )
 
 
 def _store(
-    session: Session, run: Run, batch: AgentBatch, now: datetime, sample_every: timedelta
+    session: Session, state: _BatchState, batch: AgentBatch, now: datetime, sample_every: timedelta
 ) -> None:
-    attempt_id = session.scalar(
-        select(Attempt.id).where(Attempt.run_id == run.id).order_by(Attempt.number.desc()).limit(1)
-    )
+    run_id, attempt_id = state.run_id, state.attempt_id
     record_heartbeats(
         session,
-        run.id,
+        run_id,
         attempt_id,
         heartbeat_reports(batch),
         sample_every=sample_every,
         received_at=now,
     )
-    record_step_times(session, run.id, attempt_id, step_time_reports(batch))
+    record_step_times(session, run_id, attempt_id, step_time_reports(batch))
     for event in batch.events:
         row = record_event(
             session,
             EventKind(event.kind),
             event.message,
-            run_id=run.id,
+            run_id=run_id,
             attempt_id=attempt_id,
             node=batch.node,
             rank=event.rank,
@@ -140,16 +192,16 @@ def _store(
             occurred_at=utc(event.occurred_at),
         )
         if row.kind is EventKind.HANG and event.details.get("stacks"):
-            _attach_stacks(session, run, batch.node, row)
+            _attach_stacks(session, run_id, batch.node, row)
 
 
-def _attach_stacks(session: Session, run: Run, node: str, event: Event) -> None:
+def _attach_stacks(session: Session, run_id: str, node: str, event: Event) -> None:
     """The stacks an agent saved before it killed workers on the daemon's command become the
     evidence of that restart_workers action (the agent's event quotes the command's reason)."""
     delivered = session.scalars(
         select(Action)
         .where(
-            Action.run_id == run.id,
+            Action.run_id == run_id,
             Action.node == node,
             Action.kind == ActionKind.RESTART_WORKERS,
             Action.status == ActionStatus.DONE,
@@ -170,8 +222,10 @@ def _attach_stacks(session: Session, run: Run, node: str, event: Event) -> None:
     }
 
 
-def _commands(session: Session, run: Run, node: str) -> list[Command]:
-    if node in denied_nodes(session, run_id=run.id):
+def _commands(session: Session, run_id: str, node: str) -> list[Command]:
+    # Two cheap lookups for the usual answer (no command); the rows are loaded only when found.
+    params = {"run_id": run_id, "node": node, "now": utcnow()}
+    if session.execute(_NODE_DENIED, params).first() is not None:
         reason = session.scalar(
             select(DenylistEntry.reason)
             .where(DenylistEntry.node == node, DenylistEntry.removed_at.is_(None))
@@ -179,17 +233,15 @@ def _commands(session: Session, run: Run, node: str) -> list[Command]:
             .limit(1)
         )
         return [Command(CommandKind.LEAVE.value, reason or "node excluded from this run")]
+    pending_ids = session.scalars(_PENDING_RESTARTS, params).all()
+    if not pending_ids:
+        return []
     pending = session.scalars(
-        select(Action).where(
-            Action.run_id == run.id,
-            Action.node == node,
-            Action.kind == ActionKind.RESTART_WORKERS,
-            Action.status == ActionStatus.PLANNED,
-        )
+        select(Action).where(Action.id.in_(pending_ids)).order_by(Action.id)
     ).all()
     for action in pending:  # delivered now: the agent acts on it with this reply
         finish_action(action, ActionStatus.DONE)
-    return [Command(CommandKind.RESTART_WORKERS.value, pending[-1].reason)] if pending else []
+    return [Command(CommandKind.RESTART_WORKERS.value, pending[-1].reason)]
 
 
 def _int_or_none(value: object) -> int | None:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Insert, insert, select
+from sqlalchemy import Insert, bindparam, insert, select
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
@@ -32,6 +32,14 @@ _HEARTBEAT_UPDATED = (
     "received_at",
     "sampled_at",
 )
+
+# Built once: a batch is a node's few ranks, and building a statement costs more than running it.
+_LATEST = RankHeartbeat.__table__
+_LAST_SAMPLED = select(_LATEST.c.rank, _LATEST.c.sampled_at).where(
+    _LATEST.c.run_id == bindparam("run_id"), _LATEST.c.rank.in_(bindparam("ranks", expanding=True))
+)
+_NEW_SAMPLES = insert(RankHeartbeatSample.__table__)
+_NEW_STEP_TIMES = insert(StepTime.__table__)
 
 
 @dataclass(frozen=True)
@@ -98,13 +106,9 @@ def record_heartbeats(
     for hb in heartbeats:  # a batch may hold several beats of one rank: the highest seq wins
         if hb.rank not in newest or hb.seq > newest[hb.rank].seq:
             newest[hb.rank] = hb
+    # Only this batch's ranks: an agent reports its node's few ranks of a run of many.
     last_sampled = dict(
-        session.execute(
-            # Only this batch's ranks: an agent reports its node's few ranks of a run of many.
-            select(RankHeartbeat.rank, RankHeartbeat.sampled_at).where(
-                RankHeartbeat.run_id == run_id, RankHeartbeat.rank.in_(list(newest))
-            )
-        ).all()
+        session.execute(_LAST_SAMPLED, {"run_id": run_id, "ranks": list(newest)}).all()
     )
     samples = [
         hb
@@ -114,7 +118,7 @@ def record_heartbeats(
     sampled_ranks = {hb.rank for hb in samples}
     if samples:
         session.execute(
-            insert(RankHeartbeatSample.__table__),
+            _NEW_SAMPLES,
             [
                 {
                     "run_id": run_id,
@@ -159,7 +163,7 @@ def record_step_times(
     if not step_times:
         return 0
     session.execute(
-        insert(StepTime.__table__),
+        _NEW_STEP_TIMES,
         [
             {
                 "run_id": run_id,

@@ -7,7 +7,7 @@ import http.client
 import json
 import time
 from collections.abc import Callable, Iterator
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -26,6 +26,7 @@ from slurmft.db.models import (
     RankHeartbeat,
     StepTime,
 )
+from slurmft.db.records import denylist_add, denylist_remove
 from slurmft.protocol import (
     BATCH_PATH,
     MAX_BODY_BYTES,
@@ -200,6 +201,21 @@ def test_the_reply_tells_an_excluded_node_to_leave_and_a_hung_one_to_restart(
     with database.session() as s:
         statuses = s.scalars(select(Action.status).order_by(Action.id)).all()
     assert statuses == [ActionStatus.DONE, ActionStatus.DONE]
+
+
+def test_only_an_active_exclusion_of_this_run_or_of_every_run_makes_a_node_leave(
+    database: Database, server: IngestServer, tokens: dict[str, str]
+) -> None:
+    with database.session() as s:
+        denylist_add(s, "n1", "slurmft: slow in r2", run_id="r2")  # another run's
+        denylist_add(s, "n2", "lent back", expires_at=datetime.now(UTC) - timedelta(minutes=1))
+        denylist_add(s, "n3", "slurmft: drained")  # every run's
+        denylist_add(s, "n4", "slurmft: flaky in r1", run_id="r1")
+        denylist_remove(s, "n4", run_id="r1")  # ended by an operator
+    for node in ("n1", "n2", "n3", "n4"):
+        _, data = _post(server, _batch(node=node, agent=f"a-{node}").to_json(), tokens["r1"])
+        expected = [{"kind": "leave", "reason": "slurmft: drained"}] if node == "n3" else []
+        assert data["commands"] == expected, node
 
 
 def test_the_stacks_saved_for_a_commanded_restart_become_its_evidence(
