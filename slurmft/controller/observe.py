@@ -334,22 +334,21 @@ def _beats(
     """The latest heartbeat of each rank since the ranks were last placed: a rank's row from
     before a restart is its old worker's, and its silence while the restarted peers report
     already is no hang (the rank may even live on another node now)."""
-    query = select(RankHeartbeat).where(
-        RankHeartbeat.run_id == run_id, RankHeartbeat.received_at >= placed_since
-    )
+    latest = RankHeartbeat.__table__.c  # plain rows: one per rank, thousands in a large run
+    query = select(
+        latest.rank,
+        latest.node,
+        latest.phase,
+        latest.step,
+        latest.received_at,
+        latest.progress_age_s,
+        latest.deadline_s,
+    ).where(latest.run_id == run_id, latest.received_at >= placed_since)
     if attempt is not None:
-        query = query.where(RankHeartbeat.attempt_id == attempt.id)
+        query = query.where(latest.attempt_id == attempt.id)
     return tuple(
-        RankBeat(
-            hb.rank,
-            hb.node,
-            hb.phase,
-            hb.step,
-            hb.received_at,
-            hb.progress_age_s,
-            hb.deadline_s if hb.deadline_s is not None else float("inf"),
-        )
-        for hb in session.scalars(query)
+        RankBeat(*row[:6], float("inf") if row[6] is None else row[6])
+        for row in session.execute(query)
     )
 
 
