@@ -14,6 +14,7 @@ from sqlalchemy import func, select
 
 from slurmft.db import Database
 from slurmft.db.models import Action, Attempt, Event, RankHeartbeat, Run
+from slurmft.db.states import RunState
 
 if TYPE_CHECKING:
     from unix_users import UnixUser
@@ -108,6 +109,24 @@ class SubmittedRun:
             ),
             timeout_s=180,
         )
+
+    def latest_step(self) -> int:
+        return max((r["step"] for r in self.jsonl("losses.jsonl")), default=0)
+
+    def wait_completed(self, steps: int, timeout_s: float = 240) -> None:
+        """Until training wrote its last step and the run ended COMPLETED (a run that lost a
+        node to a cordon must complete too, not be relaunched until its budget stops it)."""
+        wait_for(
+            f"step {steps}",
+            self.latest_step,
+            lambda step: step == steps,
+            timeout_s=timeout_s,
+        )
+        final, _ = wait_for("the run to end", self.run, lambda r: r.state.is_terminal, 120)
+        assert (final.state, final.end_reason) == (
+            RunState.COMPLETED,
+            "the training script finished",
+        ), self.job_log()[-3000:]
 
     def count_events(self, *where: object) -> int:
         with self.database.session() as s:

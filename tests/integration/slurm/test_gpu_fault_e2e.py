@@ -19,7 +19,6 @@ from local_cluster import Cluster, wait_for
 from slurmft.controller.rpc import call
 from slurmft.db.models import ActionKind, ActionStatus, Event, EventKind
 from slurmft.db.records import denied_nodes
-from slurmft.db.states import RunState
 
 pytestmark = [pytest.mark.slurm, pytest.mark.torch]
 
@@ -45,17 +44,8 @@ def _training(
 
 
 def _completes(run: SubmittedRun) -> None:
-    wait_for(
-        "the run to complete",
-        lambda: run.jsonl("losses.jsonl"),
-        lambda records: any(r["step"] == 60 for r in records),
-        timeout_s=240,
-    )
+    run.wait_completed(60)
     assert {r["world_size"] for r in run.jsonl("losses.jsonl")} == {3}
-    # The agent that left exited 4 and srun reports that; the others' outcomes say training
-    # finished, so the run completes (not relaunched into a closed rendezvous until it stops).
-    final, _ = wait_for("the run to end", run.run, lambda r: r.state.is_terminal, timeout_s=120)
-    assert (final.state, final.end_reason) == (RunState.COMPLETED, "the training script finished")
 
 
 def test_xid_79_drains_the_node_and_a_spare_takes_over(

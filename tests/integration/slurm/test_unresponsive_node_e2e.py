@@ -97,10 +97,6 @@ class FrozenNode:
     job_steps: dict[str, str]
 
 
-def _latest_step(run: SubmittedRun) -> int:
-    return max((r["step"] for r in run.jsonl("losses.jsonl")), default=0)
-
-
 def test_a_frozen_node_is_evicted_from_the_running_job_and_the_spare_takes_over(
     cluster: Cluster, tmp_path: Path
 ) -> None:
@@ -183,7 +179,7 @@ def _check_eviction(cluster: Cluster, run: SubmittedRun, frozen: FrozenNode) -> 
         timeout_s=120,
     )
     spare_s = time.monotonic() - frozen.at
-    wait_for("the last step", lambda: _latest_step(run), lambda step: step == STEPS, 240)
+    run.wait_completed(STEPS)
     later = cluster.client.node(victim)
     print(f"frozen processes gone {killed_s:.1f} s after the shrink; spare training "
           f"{spare_s:.1f} s after the freeze; the node at the end: {later.status} "

@@ -36,7 +36,11 @@ def test_config_has_the_measured_settings(monkeypatch: pytest.MonkeyPatch) -> No
         "SlurmdParameters=config_overrides",
         "ReturnToService=2",
         "ProctrackType=proctrack/linuxproc",
-        "PartitionName=debug Nodes=n1,n2,n3 Default=YES MaxTime=INFINITE State=UP",
+        "PartitionName=debug Nodes=n1,n2,n3 Default=YES MaxTime=INFINITE State=UP PriorityTier=1",
+        # Jobs in `urgent` preempt those in `debug`, which end PREEMPTED (--requeue ignored).
+        "PartitionName=urgent Nodes=n1,n2,n3 MaxTime=INFINITE State=UP PriorityTier=2",
+        "PreemptType=preempt/partition_prio",
+        "PreemptMode=CANCEL",
     ):
         assert line in conf.splitlines()
     port = script.base_port()
