@@ -92,22 +92,20 @@ _MOVE_CURSOR = (
     .values(last_seq=bindparam("seq"), updated_at=bindparam("at"))
 )
 # The node is kept out of every run, or out of this one (records.denied_nodes, for one node).
-_NODE_DENIED = (
-    select(_DENYLIST.c.id)
-    .where(
-        _DENYLIST.c.node == bindparam("node"),
-        _DENYLIST.c.removed_at.is_(None),
-        or_(_DENYLIST.c.expires_at.is_(None), _DENYLIST.c.expires_at > bindparam("now")),
-        or_(_DENYLIST.c.run_id.is_(None), _DENYLIST.c.run_id == bindparam("run_id")),
-    )
-    .limit(1)
+_NODE_DENIED = select(_DENYLIST.c.id).where(
+    _DENYLIST.c.node == bindparam("node"),
+    _DENYLIST.c.removed_at.is_(None),
+    or_(_DENYLIST.c.expires_at.is_(None), _DENYLIST.c.expires_at > bindparam("now")),
+    or_(_DENYLIST.c.run_id.is_(None), _DENYLIST.c.run_id == bindparam("run_id")),
 )
-_PENDING_RESTARTS = select(_ACTIONS.c.id).where(
+_RESTARTS_PLANNED = select(_ACTIONS.c.id).where(
     _ACTIONS.c.run_id == bindparam("run_id"),
     _ACTIONS.c.node == bindparam("node"),
     _ACTIONS.c.kind == ActionKind.RESTART_WORKERS,
     _ACTIONS.c.status == ActionStatus.PLANNED,
 )
+# The usual reply has no command: both questions in one statement.
+_ANY_COMMAND = select(_NODE_DENIED.exists(), _RESTARTS_PLANNED.exists())
 
 
 @dataclass(frozen=True)
@@ -225,7 +223,8 @@ def _attach_stacks(session: Session, run_id: str, node: str, event: Event) -> No
 def _commands(session: Session, run_id: str, node: str) -> list[Command]:
     # Two cheap lookups for the usual answer (no command); the rows are loaded only when found.
     params = {"run_id": run_id, "node": node, "now": utcnow()}
-    if session.execute(_NODE_DENIED, params).first() is not None:
+    denied, restarts_planned = session.execute(_ANY_COMMAND, params).one()
+    if denied:
         reason = session.scalar(
             select(DenylistEntry.reason)
             .where(DenylistEntry.node == node, DenylistEntry.removed_at.is_(None))
@@ -233,11 +232,15 @@ def _commands(session: Session, run_id: str, node: str) -> list[Command]:
             .limit(1)
         )
         return [Command(CommandKind.LEAVE.value, reason or "node excluded from this run")]
-    pending_ids = session.scalars(_PENDING_RESTARTS, params).all()
-    if not pending_ids:
+    if not restarts_planned:
         return []
     pending = session.scalars(
-        select(Action).where(Action.id.in_(pending_ids)).order_by(Action.id)
+        select(Action).where(
+            Action.run_id == run_id,
+            Action.node == node,
+            Action.kind == ActionKind.RESTART_WORKERS,
+            Action.status == ActionStatus.PLANNED,
+        )
     ).all()
     for action in pending:  # delivered now: the agent acts on it with this reply
         finish_action(action, ActionStatus.DONE)

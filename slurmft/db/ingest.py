@@ -35,8 +35,11 @@ _HEARTBEAT_UPDATED = (
 
 # Built once: a batch is a node's few ranks, and building a statement costs more than running it.
 _LATEST = RankHeartbeat.__table__
+# A range, not IN (...): an expanding IN is compiled anew for every batch. An agent's ranks are
+# contiguous as a rule; other ranks in the range are read and ignored.
 _LAST_SAMPLED = select(_LATEST.c.rank, _LATEST.c.sampled_at).where(
-    _LATEST.c.run_id == bindparam("run_id"), _LATEST.c.rank.in_(bindparam("ranks", expanding=True))
+    _LATEST.c.run_id == bindparam("run_id"),
+    _LATEST.c.rank.between(bindparam("lowest"), bindparam("highest")),
 )
 _NEW_SAMPLES = insert(RankHeartbeatSample.__table__)
 _NEW_STEP_TIMES = insert(StepTime.__table__)
@@ -107,9 +110,10 @@ def record_heartbeats(
         if hb.rank not in newest or hb.seq > newest[hb.rank].seq:
             newest[hb.rank] = hb
     # Only this batch's ranks: an agent reports its node's few ranks of a run of many.
-    last_sampled = dict(
-        session.execute(_LAST_SAMPLED, {"run_id": run_id, "ranks": list(newest)}).all()
-    )
+    ranks = {"run_id": run_id, "lowest": min(newest), "highest": max(newest)}
+    last_sampled = {
+        rank: at for rank, at in session.execute(_LAST_SAMPLED, ranks) if rank in newest
+    }
     samples = [
         hb
         for hb in newest.values()
