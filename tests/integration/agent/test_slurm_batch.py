@@ -25,6 +25,7 @@ from typing import Any
 
 import pytest
 from agent_cluster import wait_for
+from slurm_clusters import CLUSTER_SCRIPT, own_cluster
 from unix_users import TestUsers, UnixUser
 
 from slurmft.agent.batch import BatchSpec, submit_request
@@ -32,8 +33,6 @@ from slurmft.slurm.cli_backend import CliSlurmClient
 
 pytestmark = [pytest.mark.slurm, pytest.mark.torch]
 
-REPO = Path(__file__).resolve().parents[3]
-CLUSTER_SCRIPT = REPO / "scripts" / "slurm-cluster"
 SLURMFT = str(Path(sys.executable).parent / "slurmft")
 TINY_ARGS = [
     "--steps",
@@ -79,27 +78,8 @@ class Cluster:
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Cluster]:
-    root = tempfile.mkdtemp(prefix="sftc-")  # short: munge and slurmd sockets live under it
-    os.chmod(root, 0o755)  # munged runs as its own user
-    env = {**os.environ, "SLURMFT_CLUSTER_ROOT": root, "SLURMFT_CLUSTER_NODES": "4"}
-    up = subprocess.run(
-        [str(CLUSTER_SCRIPT), "up"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert up.returncode == 0, up.stderr
-    conf = up.stdout.strip().split("=", 1)[1]
-    cluster = Cluster(root, conf, CliSlurmClient(slurm_conf=conf))
-    try:
-        yield cluster
-    finally:
-        subprocess.run(
-            [str(CLUSTER_SCRIPT), "down"], env=env, capture_output=True, timeout=120, check=False
-        )
-        shutil.rmtree(root, ignore_errors=True)
+    with own_cluster(4, prefix="sftc-") as own:
+        yield Cluster(own.root, own.conf, CliSlurmClient(slurm_conf=own.conf))
 
 
 @dataclasses.dataclass

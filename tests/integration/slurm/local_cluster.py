@@ -16,13 +16,12 @@ from pathlib import Path
 from typing import TypeVar
 
 import pytest
+from slurm_clusters import CLUSTER_SCRIPT
 
 from slurmft.slurm.api import JobInfo, SlurmBadRequest, SlurmError, SubmitRequest
 from slurmft.slurm.cli_backend import CliSlurmClient
 from slurmft.slurm.script import render_batch_script
 
-REPO = Path(__file__).resolve().parents[3]
-CLUSTER_SCRIPT = REPO / "scripts" / "slurm-cluster"
 POLL_S = 0.2
 T = TypeVar("T")
 

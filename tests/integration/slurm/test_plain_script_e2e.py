@@ -13,7 +13,8 @@ from typing import Any
 import pytest
 from daemon_process import DaemonProcess, running_daemon
 from e2e_run import submit
-from local_cluster import REPO, Cluster, wait_for
+from local_cluster import Cluster, wait_for
+from slurm_clusters import REPO
 
 from slurmft.db.models import Action, ActionKind, Event, EventKind
 from slurmft.db.states import RunState

@@ -11,9 +11,6 @@ from __future__ import annotations
 
 import math
 import os
-import shutil
-import subprocess
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,7 +18,8 @@ from pathlib import Path
 import pytest
 from daemon_process import DaemonProcess, running_daemon
 from e2e_run import TINY, SubmittedRun, submit
-from local_cluster import CLUSTER_SCRIPT, Cluster, wait_for
+from local_cluster import Cluster, wait_for
+from slurm_clusters import own_cluster
 
 from slurmft.agent.batch import newest_checkpoint
 from slurmft.db.models import Action, ActionKind, Event, EventKind
@@ -38,27 +36,10 @@ EXAMPLE = ["-m", "slurmft.train.examples.tiny", "--ckpt-dir", "{ckpt}", "--out-d
 @pytest.fixture(scope="module")
 def loss_conf() -> Iterator[Path]:
     """A cluster of its own (the suite's has six nodes); SLURMFT_LOSS_CLUSTER_ROOT picks its
-    root, a fresh short directory otherwise (munge and slurmd sockets live under it)."""
-    root = os.environ.get("SLURMFT_LOSS_CLUSTER_ROOT") or tempfile.mkdtemp(prefix="sftl-")
-    Path(root).mkdir(parents=True, exist_ok=True)
-    os.chmod(root, 0o755)  # munged runs as its own user
-    env = {**os.environ, "SLURMFT_CLUSTER_ROOT": root, "SLURMFT_CLUSTER_NODES": str(CLUSTER_NODES)}
-    env.pop("SLURM_CONF", None)
-    up = subprocess.run(
-        [str(CLUSTER_SCRIPT), "up"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert up.returncode == 0, up.stderr
-    try:
-        yield Path(up.stdout.strip().split("=", 1)[1])
-    finally:
-        down = [str(CLUSTER_SCRIPT), "down"]
-        subprocess.run(down, env=env, capture_output=True, timeout=120, check=False)
-        shutil.rmtree(root, ignore_errors=True)
+    root."""
+    root = os.environ.get("SLURMFT_LOSS_CLUSTER_ROOT")
+    with own_cluster(CLUSTER_NODES, prefix="sftl-", root=root) as own:
+        yield Path(own.conf)
 
 
 @pytest.fixture
