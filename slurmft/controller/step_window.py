@@ -175,7 +175,12 @@ class StepWindows:
             window.settled = min((r[0] for r in rows), default=high + 1) - 1 if track else high
         else:
             window.advance(floor)
-            rows = session.execute(query.where(StepTime.id > window.settled)).all()
+            # By id range only: with `run_id = ?` SQLite picks the run_id index and walks every
+            # row of the run; `run_id || ''` is the same test and uses no index.
+            newer = select(*columns, StepTime.compute_s).where(
+                StepTime.id > window.settled, StepTime.run_id.concat("") == run_id
+            )
+            rows = session.execute(newer).all()
             high = window.add(rows, track=track)
             window.settled = window.last_high if track else high
             if track:
