@@ -24,6 +24,7 @@ Staying correct:
 from __future__ import annotations
 
 import bisect
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -153,11 +154,17 @@ class StepWindows:
             if node is None:
                 continue
             steps = window.ranks[rank]
-            cuts = [bisect.bisect_left(steps.ended, b) for b in bounds]
-            if any(cuts[k] >= cuts[k + 1] for k in range(buckets)):
-                continue  # an empty bucket: restarting or gone
-            medians = tuple(_median(steps.compute[cuts[k] : cuts[k + 1]]) for k in range(buckets))
-            computes.append(RankCompute(rank, node, medians, peer_group=steps.group[cuts[-1] - 1]))
+            ended, compute = steps.ended, steps.compute
+            cuts = [bisect.bisect_left(ended, b) for b in bounds]
+            medians = []
+            for low, high in itertools.pairwise(cuts):  # plain loops: this runs for every rank
+                if low >= high:
+                    break  # an empty bucket: restarting or gone
+                medians.append(_median(compute[low:high]))
+            else:
+                computes.append(
+                    RankCompute(rank, node, tuple(medians), peer_group=steps.group[cuts[-1] - 1])
+                )
         return tuple(computes)
 
     def _read(self, session: Session, run_id: str, floor: int) -> _RunWindow:
