@@ -259,28 +259,43 @@ def node_kill_inside_the_same_step(cluster: Cluster, job: Job, steps: int) -> No
             cluster.run("revive", node)
 
 
-def test_dead_store_the_batch_step_relaunches_the_agent_step(
+def test_no_spare_left_a_dead_store_relaunches_on_the_healthy_nodes(
     cluster: Cluster, tmp_path: Path, free_port: int
 ) -> None:
+    """A node is lost and the spare takes its place (no spare left), then the store dies, which
+    ends the agent step: the batch step relaunches it on the three healthy nodes, without the
+    lost one, and training resumes."""
     job = submit(cluster, tmp_path, free_port)
+    killed: list[str] = []
     try:
         wait_for(
             lambda: any(r["step"] >= 12 for r in job.records()),
             180,
             f"training under Slurm\n{job.output()[-3000:]}",
         )
+        (step,) = steps_of(cluster, job)
+        nodes = ["n1", "n2", "n3", "n4"]
+        active = [n for n in nodes if workers_on(cluster, step, n)]
+        (spare,) = set(nodes) - set(active)
+        victim = next(n for n in active if n != "n1")  # n1 hosts the batch step and the store
+        cluster.run("kill-node", victim)
+        killed.append(victim)
+        wait_for(lambda: workers_on(cluster, step, spare), 180, f"the spare {spare} to train")
         store = _store_server_pid(free_port)
         os.kill(store, signal.SIGKILL)  # the supervisor restarts it; the agents lose their state
+        healthy = ",".join(n for n in nodes if n != victim)
         wait_for(
-            lambda: "agent step 2" in job.output(),
-            120,
-            f"a relaunched agent step\n{job.output()[-3000:]}",
+            lambda: f"agent step 2 on {healthy}" in job.output(),
+            180,
+            f"an agent step relaunched on {healthy}\n{job.output()[-3000:]}",
         )
         wait_for(lambda: job.events("done"), 240, f"the end\n{job.output()[-3000:]}")
         assert job.events("resumed")
         assert_replays_match(job)
     finally:
         cluster.client.cancel(job.job_id)
+        for node in killed:
+            cluster.run("revive", node)
 
 
 def _store_server_pid(port: int) -> int:
