@@ -180,9 +180,10 @@ class Executor:
         run = session.get(Run, action.run_id)
         if run is None or run.state.is_terminal:
             return
+        job_id = self._submit_attempt(run, exclude)
+        # Charged once the new job exists: a failed sbatch is decided (and charged) again later.
         if isinstance(action, v.SubmitAttempt) and action.charged_in_a_row is not None:
             run.restarts_without_progress = action.charged_in_a_row
-        job_id = self._submit_attempt(run, exclude)
         latest = session.scalars(
             select(Attempt.number).where(Attempt.run_id == run.id).order_by(Attempt.number.desc())
         ).first()

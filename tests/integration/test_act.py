@@ -189,6 +189,27 @@ def test_resubmit_opens_the_next_attempt_with_the_new_job(
         assert run is not None and run.state is RunState.RECOVERING
 
 
+def test_a_failed_submission_charges_nothing_until_a_job_exists(
+    database: Database, seed_run: Callable[..., None]
+) -> None:
+    seed_run(database, "r3", job_id="7")
+    action = v.SubmitAttempt("r3", "job 7 ended (failed)", exclude=frozenset(), charged_in_a_row=3)
+
+    def refused(run: Run, exclude: frozenset[str]) -> str:
+        raise SlurmUnreachable("slurmctld not responding")
+
+    (outcome,) = Executor(database, RecordingSlurm(), submit_attempt=refused).execute([action])  # type: ignore[arg-type]
+    assert outcome.status is ActionStatus.FAILED
+    with database.session() as s:
+        run = s.get(Run, "r3")
+        assert run is not None and run.restarts_without_progress == 0
+
+    Executor(database, RecordingSlurm(), submit_attempt=lambda run, exclude: "8").execute([action])  # type: ignore[arg-type]
+    with database.session() as s:
+        run = s.get(Run, "r3")
+        assert run is not None and run.restarts_without_progress == 3
+
+
 def test_a_webhook_leaves_notices_in_the_outbox(database: Database, run_id: str) -> None:
     outcomes = Executor(database, RecordingSlurm(), webhook=True).execute(  # type: ignore[arg-type]
         [v.NotifyHuman(run_id, "drain of n2 refused by the rate limits")]
