@@ -34,6 +34,7 @@ from slurmft.slurm.cli_backend import CliSlurmClient
 pytestmark = [pytest.mark.slurm, pytest.mark.torch]
 
 SLURMFT = str(Path(sys.executable).parent / "slurmft")
+NODES = ["n1", "n2", "n3", "n4"]  # the module cluster's; n1 hosts the batch step
 TINY_ARGS = [
     "--steps",
     "60",
@@ -222,26 +223,33 @@ def test_node_kill_with_slurmd_timeout_60(
     node_kill_inside_the_same_step(cluster, submit(cluster, tmp_path, free_port, args), steps=150)
 
 
+def kill_an_active_node(cluster: Cluster, job: Job, killed: list[str]) -> tuple[str, str]:
+    """Once training runs: SIGKILL a training node other than n1 (it hosts the batch step and
+    the store), record it in `killed` for the caller to revive, and wait until the spare trains.
+    Returns the agent step and the killed node."""
+    wait_for(
+        lambda: any(r["step"] >= 12 for r in job.records()),
+        180,
+        f"training under Slurm\n{job.output()[-3000:]}",
+    )
+    (step,) = steps_of(cluster, job)
+    active = [n for n in NODES if workers_on(cluster, step, n)]
+    (spare,) = set(NODES) - set(active)
+    victim = next(n for n in active if n != "n1")
+    cluster.run("kill-node", victim)
+    killed.append(victim)
+    wait_for(
+        lambda: workers_on(cluster, step, spare),
+        180,
+        f"the spare {spare} to train\n{job.output()[-3000:]}",
+    )
+    return step, victim
+
+
 def node_kill_inside_the_same_step(cluster: Cluster, job: Job, steps: int) -> None:
     killed: list[str] = []
     try:
-        wait_for(
-            lambda: any(r["step"] >= 12 for r in job.records()),
-            180,
-            f"training under Slurm\n{job.output()[-3000:]}",
-        )
-        (step,) = steps_of(cluster, job)
-        nodes = ["n1", "n2", "n3", "n4"]
-        active = [n for n in nodes if workers_on(cluster, step, n)]
-        (spare,) = set(nodes) - set(active)
-        victim = next(n for n in active if n != "n1")  # n1 hosts the batch step and the store
-        cluster.run("kill-node", victim)
-        killed.append(victim)
-        wait_for(
-            lambda: workers_on(cluster, step, spare),
-            120,
-            f"the spare {spare} to train\n{job.output()[-3000:]}",
-        )
+        step, victim = kill_an_active_node(cluster, job, killed)
         assert steps_of(cluster, job) == [step]  # the same step: no relaunch was needed
         wait_for(
             lambda: victim not in cluster.client.job(job.job_id).nodes,
@@ -268,22 +276,17 @@ def test_no_spare_left_a_dead_store_relaunches_on_the_healthy_nodes(
     job = submit(cluster, tmp_path, free_port)
     killed: list[str] = []
     try:
+        _, victim = kill_an_active_node(cluster, job, killed)
+        # Until Slurm has marked the node DOWN and shrunk the job, the ended step still holds
+        # the CPUs of the other nodes, and a new step gets "Requested nodes are busy" (seen).
         wait_for(
-            lambda: any(r["step"] >= 12 for r in job.records()),
-            180,
-            f"training under Slurm\n{job.output()[-3000:]}",
+            lambda: victim not in cluster.client.job(job.job_id).nodes,
+            120,
+            "Slurm to mark the node DOWN and shrink the job",
         )
-        (step,) = steps_of(cluster, job)
-        nodes = ["n1", "n2", "n3", "n4"]
-        active = [n for n in nodes if workers_on(cluster, step, n)]
-        (spare,) = set(nodes) - set(active)
-        victim = next(n for n in active if n != "n1")  # n1 hosts the batch step and the store
-        cluster.run("kill-node", victim)
-        killed.append(victim)
-        wait_for(lambda: workers_on(cluster, step, spare), 180, f"the spare {spare} to train")
         store = _store_server_pid(free_port)
         os.kill(store, signal.SIGKILL)  # the supervisor restarts it; the agents lose their state
-        healthy = ",".join(n for n in nodes if n != victim)
+        healthy = ",".join(n for n in NODES if n != victim)
         wait_for(
             lambda: f"agent step 2 on {healthy}" in job.output(),
             180,
