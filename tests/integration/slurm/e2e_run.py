@@ -110,6 +110,17 @@ class SubmittedRun:
             timeout_s=180,
         )
 
+    def wait_replaced(self, victim: str, timeout_s: float = 120) -> float:
+        """Until three ranks report again and none from `victim` (a spare trains in its place);
+        returns the seconds it took."""
+        _, seconds = wait_for(
+            f"a spare to train in {victim}'s place",
+            self.beating_nodes,
+            lambda ranks: victim not in ranks.values() and len(ranks) == 3,
+            timeout_s=timeout_s,
+        )
+        return seconds
+
     def latest_step(self) -> int:
         return max((r["step"] for r in self.jsonl("losses.jsonl")), default=0)
 

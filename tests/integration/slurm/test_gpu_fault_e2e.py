@@ -65,12 +65,7 @@ def test_xid_79_drains_the_node_and_a_spare_takes_over(
         timeout_s=60,
     )
     assert cluster.client.node(victim).reason.startswith(reason)
-    wait_for(
-        "a spare to train in its place",
-        run.beating_nodes,
-        lambda ranks: victim not in ranks.values() and len(ranks) == 3,
-        timeout_s=120,
-    )
+    run.wait_replaced(victim)
     later = call(
         daemon.socket_path,
         "create_run",

@@ -84,12 +84,7 @@ def test_a_slow_node_is_flagged_replaced_by_the_spare_and_drained_only_by_the_tr
         )
         assert (leave.node, leave.reason) == (victim, event.message)
 
-        _, replaced_s = wait_for(
-            "the spare to train in its place",
-            run.beating_nodes,
-            lambda r: victim not in r.values() and len(r) == 3,
-            timeout_s=120,
-        )
+        replaced_s = run.wait_replaced(victim)
         run.wait_completed(STEPS)
         print(
             f"\nslowed at step {slowed_step}; flagged {flagged_s:.1f} s and "

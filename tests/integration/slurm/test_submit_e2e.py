@@ -44,12 +44,7 @@ def test_submit_kill_a_node_spare_takes_over_daemon_restart_run_completes(
 
     daemon.kill(signal.SIGKILL)  # mid-run; it must pick up where it was
     daemon.start()
-    wait_for(
-        "the spare to train in its place",
-        run.beating_nodes,
-        lambda ranks: victim not in ranks.values() and len(ranks) == 3,
-        timeout_s=120,
-    )
+    run.wait_replaced(victim)
 
     wait_for(
         "the run to complete",

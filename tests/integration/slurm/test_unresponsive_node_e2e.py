@@ -172,12 +172,7 @@ def _check_eviction(cluster: Cluster, run: SubmittedRun, frozen: FrozenNode) -> 
         timeout_s=60,
     )
 
-    wait_for(
-        "the spare to train in its place",
-        run.beating_nodes,
-        lambda ranks: victim not in ranks.values() and len(ranks) == 3,
-        timeout_s=120,
-    )
+    run.wait_replaced(victim)
     spare_s = time.monotonic() - frozen.at
     run.wait_completed(STEPS)
     later = cluster.client.node(victim)

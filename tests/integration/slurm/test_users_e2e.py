@@ -182,12 +182,7 @@ def test_a_daemon_without_slurm_privileges_records_drain_requested_and_goes_on(
         assert drain.error.startswith("drain requested, not permitted"), drain.error
         assert not cluster.client.node(victim).status.drain_requested  # Slurm refused it
 
-        wait_for(
-            "a spare to train in the victim's place",
-            run.beating_nodes,
-            lambda ranks: victim not in ranks.values() and len(ranks) == 3,
-            timeout_s=120,
-        )
+        run.wait_replaced(victim)
         (leave,) = run.actions(Action.kind == ActionKind.AGENT_LEAVE, Action.node == victim)
         assert leave.reason.startswith("slurmft: Xid 79")
         with run.database.session() as s:
