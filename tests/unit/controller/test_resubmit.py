@@ -1,0 +1,54 @@
+"""The recorded submission: what `slurmft submit` sends with attach_job, checked before it is
+stored, and turned back into the same job with the day's exclusions."""
+
+from __future__ import annotations
+
+import pytest
+
+from slurmft.controller.resubmit import (
+    SubmissionError,
+    check_record,
+    request_from_record,
+    submission_record,
+)
+from slurmft.slurm.api import SubmitRequest
+
+REQUEST = SubmitRequest(
+    script="#!/bin/bash\nexec slurmft agent batch\n",
+    job_name="slurmft-demo",
+    run_id="r1",
+    nodes=3,
+    spare_nodes=1,
+    exclude=("n9",),
+    signal="B:USR1@300",
+    time_limit="1:00:00",
+)
+
+
+def test_a_record_is_the_same_job_with_the_days_exclusions() -> None:
+    record = check_record(submission_record(REQUEST, workdir="/home/u", path="/usr/bin"))
+    assert record["exclude"] == [] and (record["workdir"], record["path"]) == (
+        "/home/u",
+        "/usr/bin",
+    )
+    again = request_from_record(record, ["n5", "n2"])
+    assert again.exclude == ("n2", "n5")
+    assert again == SubmitRequest(
+        **{**vars(REQUEST), "exclude": ("n2", "n5"), "workdir": "/home/u"}
+    )
+
+
+@pytest.mark.parametrize(
+    ("record", "message"),
+    [
+        ([], "a submission record is a JSON object"),
+        ({"script": "#!/bin/bash\n"}, "the recorded submission is incomplete"),
+        (
+            {"script": "echo hi", "job_name": "x", "run_id": "r1", "nodes": 1},
+            "the recorded submission has no batch script",
+        ),
+    ],
+)
+def test_a_malformed_record_is_refused_with_the_reason(record: object, message: str) -> None:
+    with pytest.raises(SubmissionError, match=message):
+        check_record(record)
