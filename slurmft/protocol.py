@@ -10,18 +10,22 @@ clocks across nodes).
 
 Times on the wire are Unix seconds as floats. Every payload carries `v` = `PROTOCOL_VERSION`;
 parsing is strict: a missing, extra or mistyped field raises `ProtocolError` naming the field.
+
+The records are msgspec Structs and are decoded by msgspec's typed JSON decoder: the daemon
+parses a batch from every agent every second, and a validating decoder in C costs about 4 µs
+per batch where a hand-written one over `json.loads` cost 160 µs (measured: 2,048 batches of 8
+ranks, 0.33 s against 0.008 s).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
-import math
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+import re
 from datetime import UTC, datetime
 from enum import StrEnum
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
+
+import msgspec
 
 from slurmft.db.ingest import HeartbeatReport, StepTimeReport
 from slurmft.db.models import EventKind, FaultClass
@@ -47,65 +51,77 @@ class CommandKind(StrEnum):
     RESTART_WORKERS = "restart_workers"  # save the workers' stacks, kill them: torchrun restarts
 
 
-@dataclass(frozen=True)
-class RankHeartbeat:
+# A finite number: JSON has no NaN, and a number too large for a double (1e999) is refused.
+Finite = Annotated[float, msgspec.Meta(ge=-1.7e308, le=1.7e308)]
+
+
+class _Record(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A nested record: strict, immutable."""
+
+
+class _Payload(_Record, frozen=True, tag_field="v", tag=PROTOCOL_VERSION):
+    """A top-level payload: carries the protocol version as `v`."""
+
+    def to_json(self) -> bytes:
+        # json.dumps, not msgspec's encoder: that writes NaN as null, and an agent must find
+        # out here, not from the daemon's refusal.
+        return json.dumps(
+            msgspec.to_builtins(self), separators=(",", ":"), allow_nan=False
+        ).encode()
+
+
+class RankHeartbeat(_Record, frozen=True):
     """One phase heartbeat of one rank (see slurmft.train.heartbeat)."""
 
     rank: int
     local_rank: int
     phase: str
     step: int
-    progress_age_s: float
-    deadline_s: float
+    progress_age_s: Finite
+    deadline_s: Finite
     overdue: bool
-    sent_at: float
+    sent_at: Finite
     restart_count: int = 0
     pid: int = 0
 
 
-@dataclass(frozen=True)
-class RankStepTime:
+class RankStepTime(_Record, frozen=True):
     """One rank's own compute time and collective wait for one step."""
 
     rank: int
     step: int
-    compute_s: float
-    wait_s: float
-    ended_at: float
+    compute_s: Finite
+    wait_s: Finite
+    ended_at: Finite
     peer_group: str = ""
 
 
-@dataclass(frozen=True)
-class AgentEvent:
+class AgentEvent(_Record, frozen=True):
     """Something the agent saw or was told by a rank: a hang, a failure, a restart, progress."""
 
-    kind: str  # an EventKind value
-    occurred_at: float
+    kind: EventKind
+    occurred_at: Finite
     message: str = ""
     rank: int | None = None
-    fault_class: str | None = None  # a FaultClass value
-    details: dict[str, Any] = field(default_factory=dict)
+    fault_class: FaultClass | None = None
+    details: dict[str, Any] = msgspec.field(default_factory=dict)
 
 
-@dataclass(frozen=True)
-class AgentBatch:
+class AgentBatch(_Payload, frozen=True):
     run_id: str
     agent_id: str  # unique per agent process: seq restarts at 1 with a new agent
     node: str
     seq: int
-    sent_at: float
+    sent_at: Finite
     heartbeats: tuple[RankHeartbeat, ...] = ()
     step_times: tuple[RankStepTime, ...] = ()
     events: tuple[AgentEvent, ...] = ()
-
-    def to_json(self) -> bytes:
-        return _dump(self)
 
     @classmethod
     def from_json(cls, payload: bytes | str) -> AgentBatch:
         if len(payload) > MAX_BODY_BYTES:
             raise ProtocolError(f"batch is {len(payload)} bytes, over {MAX_BODY_BYTES}")
-        batch = _parse(cls, _load(payload), "batch")
+        batch = _decode(cls, payload, "batch")
         items = len(batch.heartbeats) + len(batch.step_times) + len(batch.events)
         if items > MAX_BATCH_ITEMS:
             raise ProtocolError(f"batch holds {items} items, over {MAX_BATCH_ITEMS}")
@@ -114,36 +130,27 @@ class AgentBatch:
         return batch
 
 
-@dataclass(frozen=True)
-class Command:
-    kind: str  # a CommandKind value
+class Command(_Record, frozen=True):
+    kind: CommandKind
     reason: str = ""
 
 
-@dataclass(frozen=True)
-class BatchReply:
+class BatchReply(_Payload, frozen=True):
     acked_seq: int
-    server_time: float
+    server_time: Finite
     commands: tuple[Command, ...] = ()
-
-    def to_json(self) -> bytes:
-        return _dump(self)
 
     @classmethod
     def from_json(cls, payload: bytes | str) -> BatchReply:
-        return _parse(cls, _load(payload), "reply")
+        return _decode(cls, payload, "reply")
 
 
-@dataclass(frozen=True)
-class TimeReply:
-    server_time: float
-
-    def to_json(self) -> bytes:
-        return _dump(self)
+class TimeReply(_Payload, frozen=True):
+    server_time: Finite
 
     @classmethod
     def from_json(cls, payload: bytes | str) -> TimeReply:
-        return _parse(cls, _load(payload), "time")
+        return _decode(cls, payload, "time")
 
 
 # --- conversion to what the store writes ---------------------------------------------------------
@@ -189,95 +196,54 @@ def step_time_reports(batch: AgentBatch) -> list[StepTimeReport]:
 # --- strict parsing -------------------------------------------------------------------------
 
 
-def _dump(record: Any) -> bytes:
-    body = {"v": PROTOCOL_VERSION, **dataclasses.asdict(record)}
-    return json.dumps(body, separators=(",", ":"), allow_nan=False).encode()
+class _Version(msgspec.Struct):
+    v: Any = None
 
 
-def _load(payload: bytes | str) -> dict[str, Any]:
+_VERSION = msgspec.json.Decoder(_Version)
+_DECODERS: dict[type, msgspec.json.Decoder[Any]] = {}
+_WHERE = re.compile(r"^(?P<what>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.DOTALL)
+_FIELD = re.compile(r"^Object (?P<how>missing required|contains unknown) field `(?P<name>[^`]*)`$")
+
+T = TypeVar("T", bound=_Payload)
+
+
+def _decode(cls: type[T], payload: bytes | str, where: str) -> T:
+    _check_version(payload)
+    decoder = _DECODERS.get(cls)
+    if decoder is None:
+        decoder = _DECODERS[cls] = msgspec.json.Decoder(cls)
     try:
-        data = json.loads(payload)
-    except (ValueError, UnicodeDecodeError) as error:
+        return decoder.decode(payload)
+    except msgspec.DecodeError as error:  # ValidationError is a DecodeError
+        raise _field_error(str(error), where) from None
+
+
+def _check_version(payload: bytes | str) -> None:
+    """The version is read first (msgspec skips the rest at C speed): a payload of another
+    release gets that answer, not a complaint about the first field that changed."""
+    try:
+        version = _VERSION.decode(payload).v
+    except msgspec.ValidationError as error:
+        raise ProtocolError(f"expected a JSON object, {str(error).split(', ', 1)[-1]}") from None
+    except msgspec.DecodeError as error:
         raise ProtocolError(f"not JSON: {error}") from None
-    if not isinstance(data, dict):
-        raise ProtocolError(f"expected a JSON object, got {type(data).__name__}")
-    version = data.pop("v", None)
     if version != PROTOCOL_VERSION:
         raise ProtocolError(
             f"protocol version {version!r} is not {PROTOCOL_VERSION}: agent and daemon must run "
             "the same slurmft release"
         )
-    return data
 
 
-def _int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _float(value: Any) -> bool:
-    return (_int(value) or isinstance(value, float)) and math.isfinite(value)
-
-
-_CHECKS: dict[str, tuple[str, Callable[[Any], bool]]] = {
-    "int": ("a whole number", _int),
-    "float": ("a finite number", _float),
-    "str": ("a string", lambda v: isinstance(v, str)),
-    "bool": ("true or false", lambda v: isinstance(v, bool)),
-    "int | None": ("a whole number or null", lambda v: v is None or _int(v)),
-    "str | None": ("a string or null", lambda v: v is None or isinstance(v, str)),
-    "dict[str, Any]": ("an object", lambda v: isinstance(v, dict)),
-}
-_NESTED: dict[str, type] = {
-    "tuple[RankHeartbeat, ...]": RankHeartbeat,
-    "tuple[RankStepTime, ...]": RankStepTime,
-    "tuple[AgentEvent, ...]": AgentEvent,
-    "tuple[Command, ...]": Command,
-}
-# Fields whose strings must come from a closed set.
-_CHOICES: dict[tuple[type, str], frozenset[str]] = {
-    (AgentEvent, "kind"): frozenset(EventKind),
-    (AgentEvent, "fault_class"): frozenset(FaultClass),
-    (Command, "kind"): frozenset(CommandKind),
-}
-
-T = TypeVar("T")
-
-
-def _parse(cls: type[T], data: Mapping[str, Any], where: str) -> T:
-    fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
-    extra = sorted(set(data) - set(fields))
-    if extra:
-        raise ProtocolError(f"{where}: unknown field {extra[0]!r}")
-    values: dict[str, Any] = {}
-    for name, spec in fields.items():
-        path = f"{where}.{name}"
-        if name not in data:
-            if spec.default is dataclasses.MISSING and spec.default_factory is dataclasses.MISSING:
-                raise ProtocolError(f"{path}: missing")
-            continue
-        values[name] = _value(cls, name, str(spec.type), data[name], path)
-    return cls(**values)
-
-
-def _value(cls: type, name: str, annotation: str, raw: Any, path: str) -> Any:
-    nested = _NESTED.get(annotation)
-    if nested is not None:
-        if not isinstance(raw, list):
-            raise ProtocolError(f"{path}: expected a list, got {type(raw).__name__}")
-        return tuple(
-            _parse(nested, _object(item, f"{path}[{i}]"), f"{path}[{i}]")
-            for i, item in enumerate(raw)
-        )
-    description, check = _CHECKS[annotation]
-    if not check(raw):
-        raise ProtocolError(f"{path}: expected {description}, got {raw!r:.60}")
-    choices = _CHOICES.get((cls, name))
-    if choices is not None and raw is not None and raw not in choices:
-        raise ProtocolError(f"{path}: {raw!r} is not one of {', '.join(sorted(choices))}")
-    return float(raw) if annotation == "float" else raw
-
-
-def _object(raw: Any, path: str) -> Mapping[str, Any]:
-    if not isinstance(raw, dict):
-        raise ProtocolError(f"{path}: expected an object, got {type(raw).__name__}")
-    return raw
+def _field_error(message: str, where: str) -> ProtocolError:
+    """msgspec's "Expected `int`, got `str` - at `$.heartbeats[0].rank`" as
+    "batch.heartbeats[0].rank: expected `int`, got `str`"."""
+    match = _WHERE.match(message)
+    assert match is not None  # the pattern matches any text
+    what, path = match["what"], where + (match["path"] or "")
+    field = _FIELD.match(what)
+    if field is None:
+        return ProtocolError(f"{path}: {what[:1].lower()}{what[1:]}")
+    if field["how"] == "missing required":
+        return ProtocolError(f"{path}.{field['name']}: missing")
+    return ProtocolError(f"{path}: unknown field {field['name']!r}")

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import dataclasses
 import http.client
 import json
 import time
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
 
+import msgspec
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -236,9 +236,9 @@ def test_the_stacks_saved_for_a_commanded_restart_become_its_evidence(
         fault_class="hang",
         details={"stacks": stacks, "stack_files": {"4": "/tmp/s/stacks-rank4-pid9.txt"}},
     )
-    own = dataclasses.replace(hang, message="rank 4 stuck in step for 400 s: stacks saved")
+    own = msgspec.structs.replace(hang, message="rank 4 stuck in step for 400 s: stacks saved")
     for seq, event in ((2, own), (3, hang)):
-        batch = dataclasses.replace(_batch(seq, node="n3", agent="a-n3-1"), events=(event,))
+        batch = msgspec.structs.replace(_batch(seq, node="n3", agent="a-n3-1"), events=(event,))
         assert _post(server, batch.to_json(), tokens["r1"])[0] == 200
     with database.session() as s:
         action = s.scalars(select(Action)).one()
@@ -311,7 +311,7 @@ def test_a_gpu_fault_from_an_agent_keeps_its_xid_gpu_and_action(
         fault_class="hardware",
         details={"xid": 79, "gpu_index": 3, "action": "drain"},
     )
-    batch = dataclasses.replace(_batch(), events=(fault,))
+    batch = msgspec.structs.replace(_batch(), events=(fault,))
     assert _post(server, batch.to_json(), tokens["r1"])[0] == 200
     with database.session() as s:
         event = s.scalars(select(Event)).one()
