@@ -7,10 +7,12 @@ daemon's own create_run and attach_job operations: a run token, a Slurm job) wit
 window and its newest heartbeat. Then each tick does what the daemon does in one poll interval:
 
 - ingest: one batch from every agent (a heartbeat per rank, the step times of the steps that
-  ended in the interval) through the endpoint's own request handling (parse the JSON, check
-  the run token, store, build the reply), one transaction per agent as over HTTP. Agents send
-  a batch every agent.report_interval_s (1 s by default), so a 5-s poll interval really
-  carries five of these per agent;
+  ended in the interval) through the endpoint's own request handling (check the headers, parse
+  the JSON, hand the batch to the group committer and wait for the reply), posted by
+  --in-flight request threads at once as the HTTP server's threads would; the committer's
+  writer stores what arrives together in one transaction (token, cursor, heartbeats, step
+  times, commands). Agents send a batch every agent.report_interval_s (1 s by default), so a
+  5-s poll interval really carries five of these per agent;
 - observe: `gather` from the store, with the daemon's held straggler window (StepWindows: the
   step times added since the last pass are read, not the whole window; the window is read
   whole once before the first tick, as after a daemon start, and that read is reported), and
@@ -47,7 +49,8 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -61,6 +64,7 @@ from slurmft.controller import views as v
 from slurmft.controller.act import Executor
 from slurmft.controller.decide import Policy, decide
 from slurmft.controller.detect import HangKind, find_hangs, find_stragglers
+from slurmft.controller.group_commit import GroupCommitter
 from slurmft.controller.http import _Handler
 from slurmft.controller.observe import gather
 from slurmft.controller.step_window import StepWindows
@@ -287,13 +291,11 @@ def stopped(faults: Faults | None, rank: int, start: datetime) -> datetime:
 
 class EndpointHandler(_Handler):
     """The ingest endpoint's request handler without a socket: the very `_ingest` the HTTP
-    server runs (token, length and body checks, parse, one transaction, the reply)."""
+    server runs (token, length and body checks, parse, the group committer, the reply)."""
 
-    def __init__(self, database: Database, clock: Callable[[], datetime], config: Config) -> None:
+    def __init__(self, committer: GroupCommitter) -> None:
         # BaseHTTPRequestHandler.__init__ serves a socket at once: not called on purpose.
-        self.database = database
-        self.clock = clock  # type: ignore[assignment]
-        self.sample_every = timedelta(seconds=config["retention.heartbeat_sample_s"])
+        self.committer = committer
 
     def post(self, token: str, body: bytes) -> bytes:
         self.headers = {  # type: ignore[assignment]
@@ -363,6 +365,7 @@ class Tick:
     replies: list[tuple[str, bytes]] = field(default_factory=list)
     view: v.ClusterView | None = None
     actions: list[v.Action] = field(default_factory=list)
+    groups: int = 0  # transactions the ingest took
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -380,13 +383,22 @@ def one_tick(
     now: datetime,
     *,
     steps: StepWindows,
+    requests: ThreadPoolExecutor,
 ) -> Tick:
     """What the daemon does in one poll interval: the agents' batches, then its control pass
     (Daemon.control_pass: gather -> decide -> execute, in the same calls)."""
     tick = Tick()
-    handler = EndpointHandler(database, lambda: now, config)
+    sample_every = timedelta(seconds=config["retention.heartbeat_sample_s"])
+    committer = GroupCommitter(database, clock=lambda: now, sample_every=sample_every)
     with tick.phase("ingest"):
-        tick.replies = [(node, handler.post(token, body)) for node, token, body in bodies]
+        committer.start()
+
+        def post(node: str, token: str, body: bytes) -> tuple[str, bytes]:
+            return node, EndpointHandler(committer).post(token, body)
+
+        tick.replies = list(requests.map(post, *zip(*bodies, strict=True)))
+        committer.stop()
+    tick.groups = committer.groups
     with tick.phase("observe"), database.session() as session:
         tick.view = gather(
             session,
@@ -485,6 +497,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="spare nodes per run (with one, the straggler leaves at the first tick)",
     )
     parser.add_argument("--step-s", type=float, default=10.0, help="training step time")
+    parser.add_argument(
+        "--in-flight",
+        type=int,
+        default=64,
+        help="request threads posting batches at once (the HTTP server's threads)",
+    )
     parser.add_argument("--ticks", type=int, default=5, help="measured ticks (median)")
     parser.add_argument("--db-url", default="", help="store URL (default: a fresh SQLite file)")
     parser.add_argument("--profile", type=Path, help="write a cProfile of the measured ticks")
@@ -571,12 +589,13 @@ def bench(
 
     profiler = cProfile.Profile() if args.profile else None
     ticks: list[Tick] = []
+    requests = ThreadPoolExecutor(args.in_flight, thread_name_prefix="request")
     for number in range(1, args.ticks + 1):
         now = start + timedelta(seconds=number * shape.tick_s)
         bodies = agent_batches(runs, shape, start, now, faults)
         if profiler:
             profiler.enable()
-        tick = one_tick(database, slurm, config, bodies, now, steps=steps)
+        tick = one_tick(database, slurm, config, bodies, now, steps=steps, requests=requests)
         if profiler:
             profiler.disable()
         # With a spare the straggler's node left at tick 1: its ranks moved, the window restarts.
@@ -593,7 +612,7 @@ def bench(
             f"tick {number}: "
             + " ".join(f"{p} {tick.cpu[p]:.3f}/{tick.wall[p]:.3f}" for p in PHASES)
             + f" | total cpu {sum(tick.cpu.values()):.3f} s wall {sum(tick.wall.values()):.3f} s"
-            f", {len(tick.actions)} actions",
+            f", {len(tick.actions)} actions, {len(bodies)} batches in {tick.groups} transactions",
             file=sys.stderr,
         )
     with database.session() as session:

@@ -1,8 +1,10 @@
 """The daemon's HTTP endpoint for agents: bounded, authenticated, and never taken down by a
 bad request.
 
-stdlib's ThreadingHTTPServer is enough here: an agent sends one small batch every few seconds,
-and the store, not HTTP parsing, bounds the rate. Every request is answered with JSON.
+stdlib's ThreadingHTTPServer is enough here: an agent sends one small batch a second, and the
+store, not HTTP parsing, bounds the rate. So request threads only check and parse; one writer
+stores the batches that arrive together in one transaction (controller.group_commit) and each
+request is answered once its batch is committed. Every request is answered with JSON.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from sqlalchemy.exc import IntegrityError
 
-from slurmft.controller.ingest import IngestRefused, ingest_batch
+from slurmft.controller.group_commit import GroupCommitter
+from slurmft.controller.ingest import IngestRefused
 from slurmft.controller.serving import ServerThread
 from slurmft.db import Database, DatabaseUnavailable
 from slurmft.protocol import (
@@ -46,13 +49,13 @@ class IngestServer:
         clock: Callable[[], datetime] = lambda: datetime.now(UTC),
         observe: Callable[[int, float], None] | None = None,
     ) -> None:
+        self._committer = GroupCommitter(database, clock=clock, sample_every=sample_every)
         handler = type(
             "Handler",
             (_Handler,),
             {
-                "database": database,
+                "committer": self._committer,
                 "clock": staticmethod(clock),
-                "sample_every": sample_every,
                 # Metrics hook: (HTTP status, seconds) of every batch POST.
                 "observe": staticmethod(observe or _ignore),
             },
@@ -67,17 +70,18 @@ class IngestServer:
         return f"http://{host}:{port}"
 
     def start(self) -> IngestServer:
+        self._committer.start()
         self._thread.start()
         return self
 
     def stop(self) -> None:
         self._thread.stop()
+        self._committer.stop()
 
 
 class _Handler(BaseHTTPRequestHandler):
-    database: Database
+    committer: GroupCommitter
     clock: Callable[[], datetime]
-    sample_every: timedelta
     observe: Callable[[int, float], None]
     server_version = "slurmft"
     _started = 0.0
@@ -122,11 +126,7 @@ class _Handler(BaseHTTPRequestHandler):
         if int(length) > MAX_BODY_BYTES:
             raise IngestRefused(413, f"body of {length} bytes is over {MAX_BODY_BYTES}")
         batch = AgentBatch.from_json(self.rfile.read(int(length)))
-        with self.database.session() as session:
-            reply = ingest_batch(
-                session, batch, token, now=self.clock(), sample_every=self.sample_every
-            )
-        return reply.to_json()
+        return self.committer.submit(batch, token).to_json()
 
     def _reply(self, status: HTTPStatus, body: bytes) -> None:
         if self.command == "POST" and self.path == BATCH_PATH:

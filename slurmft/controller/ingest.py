@@ -15,13 +15,14 @@ from __future__ import annotations
 import hashlib
 import hmac
 import secrets
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from sqlalchemy import bindparam, insert, or_, select, update
 from sqlalchemy.orm import Session
 
-from slurmft.db.ingest import record_heartbeats, record_step_times
+from slurmft.db.ingest import HeartbeatReport, RunReports, StepTimeReport, record_reports
 from slurmft.db.models import (
     Action,
     ActionKind,
@@ -33,12 +34,12 @@ from slurmft.db.models import (
     EventKind,
     FaultClass,
     Run,
-    utcnow,
 )
 from slurmft.db.records import finish_action, record_event
 from slurmft.errors import SlurmftError
 from slurmft.protocol import (
     AgentBatch,
+    AgentEvent,
     BatchReply,
     Command,
     CommandKind,
@@ -67,62 +68,59 @@ def hash_token(token: str) -> str:
 
 
 _RUNS = Run.__table__
+_ATTEMPTS = Attempt.__table__
 _CURSORS = AgentCursor.__table__
 _ACTIONS = Action.__table__
 _DENYLIST = DenylistEntry.__table__
 
-# Everything a batch needs before it is stored, in one statement (built once, like all below:
-# a batch is a few ranks, and building a statement costs more than running it): the run's
-# token hash, its latest attempt, and the agent's cursor.
-_BATCH_STATE = select(
+# Built once, like all below: building a statement costs more than running it for one group.
+# The runs' token hashes and latest attempts.
+_RUN_STATES = select(
+    _RUNS.c.id,
     _RUNS.c.token_hash,
-    select(Attempt.__table__.c.id)
-    .where(Attempt.__table__.c.run_id == _RUNS.c.id)
-    .order_by(Attempt.__table__.c.number.desc())
+    select(_ATTEMPTS.c.id)
+    .where(_ATTEMPTS.c.run_id == _RUNS.c.id)
+    .order_by(_ATTEMPTS.c.number.desc())
     .limit(1)
     .scalar_subquery(),
-    select(_CURSORS.c.last_seq)
-    .where(_CURSORS.c.run_id == _RUNS.c.id, _CURSORS.c.agent_id == bindparam("agent_id"))
-    .scalar_subquery(),
-).where(_RUNS.c.id == bindparam("run_id"))
+).where(_RUNS.c.id.in_(bindparam("runs", expanding=True)))
+_AGENT_CURSORS = select(_CURSORS.c.run_id, _CURSORS.c.agent_id, _CURSORS.c.last_seq).where(
+    _CURSORS.c.run_id.in_(bindparam("runs", expanding=True)),
+    _CURSORS.c.agent_id.in_(bindparam("agents", expanding=True)),
+)
+_AGENTS_PER_READ = 500
 _NEW_CURSOR = insert(_CURSORS)
 _MOVE_CURSOR = (
     update(_CURSORS)
     .where(_CURSORS.c.run_id == bindparam("run"), _CURSORS.c.agent_id == bindparam("agent"))
     .values(last_seq=bindparam("seq"), updated_at=bindparam("at"))
 )
-# The node is kept out of every run, or out of this one (records.denied_nodes, for one node).
-_NODE_DENIED = select(_DENYLIST.c.id).where(
-    _DENYLIST.c.node == bindparam("node"),
-    _DENYLIST.c.removed_at.is_(None),
-    or_(_DENYLIST.c.expires_at.is_(None), _DENYLIST.c.expires_at > bindparam("now")),
-    or_(_DENYLIST.c.run_id.is_(None), _DENYLIST.c.run_id == bindparam("run_id")),
+# Nodes kept out of every run, or out of one of these runs (records.denied_nodes).
+_DENIED = (
+    select(_DENYLIST.c.node, _DENYLIST.c.run_id, _DENYLIST.c.reason)
+    .where(
+        _DENYLIST.c.node.in_(bindparam("nodes", expanding=True)),
+        _DENYLIST.c.removed_at.is_(None),
+        or_(_DENYLIST.c.expires_at.is_(None), _DENYLIST.c.expires_at > bindparam("now")),
+        or_(
+            _DENYLIST.c.run_id.is_(None),
+            _DENYLIST.c.run_id.in_(bindparam("runs", expanding=True)),
+        ),
+    )
+    .order_by(_DENYLIST.c.added_at)
 )
-_RESTARTS_PLANNED = select(_ACTIONS.c.id).where(
-    _ACTIONS.c.run_id == bindparam("run_id"),
-    _ACTIONS.c.node == bindparam("node"),
-    _ACTIONS.c.kind == ActionKind.RESTART_WORKERS,
-    _ACTIONS.c.status == ActionStatus.PLANNED,
+_RESTARTS_PLANNED = select(Action).where(
+    Action.run_id.in_(bindparam("runs", expanding=True)),
+    Action.kind == ActionKind.RESTART_WORKERS,
+    Action.status == ActionStatus.PLANNED,
 )
-# The usual reply has no command: both questions in one statement.
-_ANY_COMMAND = select(_NODE_DENIED.exists(), _RESTARTS_PLANNED.exists())
 
 
 @dataclass(frozen=True)
-class _BatchState:
+class _RunState:
     run_id: str
+    token_hash: str
     attempt_id: int | None
-    last_seq: int | None  # the agent's cursor; None before its first batch
-
-
-def _authorize(session: Session, batch: AgentBatch, token: str) -> _BatchState:
-    row = session.execute(
-        _BATCH_STATE, {"run_id": batch.run_id, "agent_id": batch.agent_id}
-    ).first()
-    # The same answer for an unknown run and a wrong token: a token does not reveal run ids.
-    if row is None or row[0] is None or not hmac.compare_digest(row[0], hash_token(token)):
-        raise IngestRefused(403, f"token not valid for run {batch.run_id}")
-    return _BatchState(batch.run_id, row[1], row[2])
 
 
 def ingest_batch(
@@ -134,63 +132,152 @@ def ingest_batch(
     sample_every: timedelta = timedelta(seconds=60),
 ) -> BatchReply:
     """Store one agent batch (once) and answer with the agent's commands."""
-    state = _authorize(session, batch, token)
-    if state.last_seq is None or batch.seq > state.last_seq:
-        _store(session, state, batch, now, sample_every)
-        if state.last_seq is None:
-            session.execute(
-                _NEW_CURSOR,
-                {
-                    "run_id": state.run_id,
-                    "agent_id": batch.agent_id,
-                    "node": batch.node,
-                    "last_seq": batch.seq,
-                    "updated_at": now,
-                },
-            )
-        else:
-            session.execute(
-                _MOVE_CURSOR,
-                {"run": state.run_id, "agent": batch.agent_id, "seq": batch.seq, "at": now},
-            )
-    return BatchReply(
-        acked_seq=batch.seq,
-        server_time=now.timestamp(),
-        commands=tuple(_commands(session, state.run_id, batch.node)),
-    )
+    (result,) = ingest_batches(session, [(batch, token)], now=now, sample_every=sample_every)
+    if isinstance(result, IngestRefused):
+        raise result
+    return result
+
+
+def ingest_batches(
+    session: Session,
+    posts: Sequence[tuple[AgentBatch, str]],
+    *,
+    now: datetime,
+    sample_every: timedelta = timedelta(seconds=60),
+) -> list[BatchReply | IngestRefused]:
+    """Store the batches of many agents (each once) in this session's transaction, and answer
+    each with its agent's commands, or with why it is refused (in the order of ``posts``).
+
+    A constant number of statements whatever the number of batches: the daemon commits the
+    batches that arrive together as one group (controller.group_commit)."""
+    runs = _run_states(session, {batch.run_id for batch, _ in posts})
+    cursors = _agent_cursors(session, posts)
+    stored_cursors = set(cursors)
+    accepted: list[AgentBatch | IngestRefused] = []
+    fresh: list[tuple[_RunState, AgentBatch]] = []
+    for batch, token in posts:
+        run = runs.get(batch.run_id)
+        # The same answer for an unknown run and a wrong token: a token does not reveal run ids.
+        if run is None or not hmac.compare_digest(run.token_hash, hash_token(token)):
+            accepted.append(IngestRefused(403, f"token not valid for run {batch.run_id}"))
+            continue
+        accepted.append(batch)
+        last_seq = cursors.get((batch.run_id, batch.agent_id))
+        if last_seq is None or batch.seq > last_seq:  # at or below: a resend, acknowledged again
+            fresh.append((run, batch))
+            cursors[batch.run_id, batch.agent_id] = batch.seq
+    _store(session, fresh, now, sample_every)
+    _write_cursors(session, fresh, stored_cursors, now)
+    commands = _commands(session, [b for b in accepted if isinstance(b, AgentBatch)], now)
+    return [
+        b
+        if isinstance(b, IngestRefused)
+        else BatchReply(
+            acked_seq=b.seq,
+            server_time=now.timestamp(),
+            commands=tuple(commands.get((b.run_id, b.node), ())),
+        )
+        for b in accepted
+    ]
+
+
+def _run_states(session: Session, run_ids: set[str]) -> dict[str, _RunState]:
+    rows = session.execute(_RUN_STATES, {"runs": sorted(run_ids)})
+    return {
+        run_id: _RunState(run_id, token_hash, attempt_id)
+        for run_id, token_hash, attempt_id in rows
+        if token_hash is not None
+    }
+
+
+def _agent_cursors(
+    session: Session, posts: Sequence[tuple[AgentBatch, str]]
+) -> dict[tuple[str, str], int]:
+    runs = sorted({batch.run_id for batch, _ in posts})
+    agents = sorted({batch.agent_id for batch, _ in posts})
+    cursors: dict[tuple[str, str], int] = {}
+    for first in range(0, len(agents), _AGENTS_PER_READ):
+        chunk = agents[first : first + _AGENTS_PER_READ]
+        rows = session.execute(_AGENT_CURSORS, {"runs": runs, "agents": chunk})
+        cursors.update(((run_id, agent_id), seq) for run_id, agent_id, seq in rows)
+    return cursors
+
+
+def _write_cursors(
+    session: Session,
+    fresh: Sequence[tuple[_RunState, AgentBatch]],
+    stored: set[tuple[str, str]],
+    now: datetime,
+) -> None:
+    """Move every agent's cursor to its newest stored batch: insert the new, update the known."""
+    newest: dict[tuple[str, str], AgentBatch] = {}
+    for _, batch in fresh:  # in order: an agent's later batch in the group wins
+        newest[batch.run_id, batch.agent_id] = batch
+    new = [
+        {
+            "run_id": run_id,
+            "agent_id": agent_id,
+            "node": batch.node,
+            "last_seq": batch.seq,
+            "updated_at": now,
+        }
+        for (run_id, agent_id), batch in newest.items()
+        if (run_id, agent_id) not in stored
+    ]
+    moved = [
+        {"run": run_id, "agent": agent_id, "seq": batch.seq, "at": now}
+        for (run_id, agent_id), batch in newest.items()
+        if (run_id, agent_id) in stored
+    ]
+    if new:
+        session.execute(_NEW_CURSOR, new)
+    if moved:
+        session.execute(_MOVE_CURSOR, moved)
 
 
 def _store(
-    session: Session, state: _BatchState, batch: AgentBatch, now: datetime, sample_every: timedelta
+    session: Session,
+    fresh: Sequence[tuple[_RunState, AgentBatch]],
+    now: datetime,
+    sample_every: timedelta,
 ) -> None:
-    run_id, attempt_id = state.run_id, state.attempt_id
-    record_heartbeats(
+    by_run: dict[str, tuple[_RunState, list[HeartbeatReport], list[StepTimeReport]]] = {}
+    for run, batch in fresh:
+        _, beats, times = by_run.setdefault(run.run_id, (run, [], []))
+        beats += heartbeat_reports(batch)
+        times += step_time_reports(batch)
+    record_reports(
         session,
-        run_id,
-        attempt_id,
-        heartbeat_reports(batch),
+        [
+            RunReports(run.run_id, run.attempt_id, beats, times)
+            for run, beats, times in by_run.values()
+        ],
         sample_every=sample_every,
         received_at=now,
     )
-    record_step_times(session, run_id, attempt_id, step_time_reports(batch))
-    for event in batch.events:
-        row = record_event(
-            session,
-            EventKind(event.kind),
-            event.message,
-            run_id=run_id,
-            attempt_id=attempt_id,
-            node=batch.node,
-            rank=event.rank,
-            fault_class=FaultClass(event.fault_class) if event.fault_class else None,
-            xid=_int_or_none(event.details.get("xid")),
-            gpu_index=_int_or_none(event.details.get("gpu_index")),
-            details={**event.details, "agent_id": batch.agent_id},
-            source="agent",
-            occurred_at=utc(event.occurred_at),
-        )
-        if row.kind is EventKind.HANG and event.details.get("stacks"):
-            _attach_stacks(session, run_id, batch.node, row)
+    for run, batch in fresh:
+        for event in batch.events:
+            _store_event(session, run, batch, event)
+
+
+def _store_event(session: Session, run: _RunState, batch: AgentBatch, event: AgentEvent) -> None:
+    row = record_event(
+        session,
+        EventKind(event.kind),
+        event.message,
+        run_id=run.run_id,
+        attempt_id=run.attempt_id,
+        node=batch.node,
+        rank=event.rank,
+        fault_class=FaultClass(event.fault_class) if event.fault_class else None,
+        xid=_int_or_none(event.details.get("xid")),
+        gpu_index=_int_or_none(event.details.get("gpu_index")),
+        details={**event.details, "agent_id": batch.agent_id},
+        source="agent",
+        occurred_at=utc(event.occurred_at),
+    )
+    if row.kind is EventKind.HANG and event.details.get("stacks"):
+        _attach_stacks(session, run.run_id, batch.node, row)
 
 
 def _attach_stacks(session: Session, run_id: str, node: str, event: Event) -> None:
@@ -220,31 +307,33 @@ def _attach_stacks(session: Session, run_id: str, node: str, event: Event) -> No
     }
 
 
-def _commands(session: Session, run_id: str, node: str) -> list[Command]:
-    # Two cheap lookups for the usual answer (no command); the rows are loaded only when found.
-    params = {"run_id": run_id, "node": node, "now": utcnow()}
-    denied, restarts_planned = session.execute(_ANY_COMMAND, params).one()
-    if denied:
-        reason = session.scalar(
-            select(DenylistEntry.reason)
-            .where(DenylistEntry.node == node, DenylistEntry.removed_at.is_(None))
-            .order_by(DenylistEntry.added_at.desc())
-            .limit(1)
-        )
-        return [Command(CommandKind.LEAVE.value, reason or "node excluded from this run")]
-    if not restarts_planned:
-        return []
-    pending = session.scalars(
-        select(Action).where(
-            Action.run_id == run_id,
-            Action.node == node,
-            Action.kind == ActionKind.RESTART_WORKERS,
-            Action.status == ActionStatus.PLANNED,
-        )
-    ).all()
-    for action in pending:  # delivered now: the agent acts on it with this reply
-        finish_action(action, ActionStatus.DONE)
-    return [Command(CommandKind.RESTART_WORKERS.value, pending[-1].reason)]
+def _commands(
+    session: Session, batches: Sequence[AgentBatch], now: datetime
+) -> dict[tuple[str, str], list[Command]]:
+    """Each (run, node)'s commands: leave when the node is denied for the run (the newest
+    entry's reason), else restart the workers when a hang was decided for it. Two statements
+    for the whole group; the action rows are loaded only when one is planned."""
+    if not batches:
+        return {}
+    runs = sorted({b.run_id for b in batches})
+    wanted = {(b.run_id, b.node) for b in batches}
+    params = {"runs": runs, "nodes": sorted({node for _, node in wanted}), "now": now}
+    commands: dict[tuple[str, str], list[Command]] = {}
+    for node, run_id, reason in session.execute(_DENIED, params):  # oldest first: newest wins
+        leave = Command(CommandKind.LEAVE, reason or "node excluded from this run")
+        for key in [(run_id, node)] if run_id else [(r, node) for r in runs]:
+            if key in wanted:
+                commands[key] = [leave]
+    planned: dict[tuple[str, str], list[Action]] = {}
+    for action in session.scalars(_RESTARTS_PLANNED, {"runs": runs}):
+        key = (action.run_id, action.node or "")
+        if key in wanted and key not in commands:
+            planned.setdefault(key, []).append(action)
+    for key, actions in planned.items():
+        for action in actions:  # delivered now: the agent acts on it with this reply
+            finish_action(action, ActionStatus.DONE)
+        commands[key] = [Command(CommandKind.RESTART_WORKERS, actions[-1].reason)]
+    return commands
 
 
 def _int_or_none(value: object) -> int | None:

@@ -33,19 +33,20 @@ _HEARTBEAT_UPDATED = (
     "sampled_at",
 )
 
-# Built once: a batch is a node's few ranks, and building a statement costs more than running it.
+# Built once: building a statement costs more than running it for a few rows.
 _LATEST = RankHeartbeat.__table__
-# A range, not IN (...): an expanding IN is compiled anew for every batch. An agent's ranks are
-# contiguous as a rule; other ranks in the range are read and ignored.
+# The ranks' last sample times; an expanding IN, at most _RANKS_PER_READ ranks at a time (one
+# group commit holds the ranks of many agents of a run, anywhere in the run's rank range).
 _LAST_SAMPLED = select(_LATEST.c.rank, _LATEST.c.sampled_at).where(
     _LATEST.c.run_id == bindparam("run_id"),
-    _LATEST.c.rank.between(bindparam("lowest"), bindparam("highest")),
+    _LATEST.c.rank.in_(bindparam("ranks", expanding=True)),
 )
+_RANKS_PER_READ = 500
 _NEW_SAMPLES = insert(RankHeartbeatSample.__table__)
 _NEW_STEP_TIMES = insert(StepTime.__table__)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class HeartbeatReport:
     rank: int
     node: str
@@ -57,7 +58,7 @@ class HeartbeatReport:
     deadline_s: float | None = None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class StepTimeReport:
     rank: int
     step: int
@@ -89,6 +90,112 @@ def _heartbeat_upsert(dialect: str) -> Insert:
     )
 
 
+@dataclass(frozen=True, slots=True)
+class RunReports:
+    """One run's share of what is stored in one transaction (one agent batch, or the batches of
+    many agents committed together)."""
+
+    run_id: str
+    attempt_id: int | None
+    heartbeats: Sequence[HeartbeatReport] = ()
+    step_times: Sequence[StepTimeReport] = ()
+
+
+def record_reports(
+    session: Session,
+    reports: Sequence[RunReports],
+    *,
+    sample_every: timedelta = timedelta(seconds=60),
+    received_at: datetime | None = None,
+) -> int:
+    """Store the heartbeats and step times of several runs with one executemany per table.
+
+    Returns the number of heartbeat history samples written.
+    """
+    received_at = received_at or utcnow()
+    samples: list[dict[str, Any]] = []
+    latest: list[dict[str, Any]] = []
+    for run in reports:
+        _heartbeat_rows(session, run, sample_every, received_at, into=(samples, latest))
+    if samples:
+        session.execute(_NEW_SAMPLES, samples)
+    if latest:
+        session.execute(_heartbeat_upsert(session.get_bind().dialect.name), latest)
+    step_rows = [
+        {
+            "run_id": run.run_id,
+            "attempt_id": run.attempt_id,
+            "rank": st.rank,
+            "step": st.step,
+            "peer_group": st.peer_group,
+            "compute_s": st.compute_s,
+            "wait_s": st.wait_s,
+            "ended_at": st.ended_at,
+        }
+        for run in reports
+        for st in run.step_times
+    ]
+    if step_rows:
+        session.execute(_NEW_STEP_TIMES, step_rows)
+    return len(samples)
+
+
+def _heartbeat_rows(
+    session: Session,
+    run: RunReports,
+    sample_every: timedelta,
+    received_at: datetime,
+    *,
+    into: tuple[list[dict[str, Any]], list[dict[str, Any]]],
+) -> None:
+    """Append to ``into`` = (samples, latest) the run's newest heartbeat per rank, and, as a
+    history sample, those of ranks last sampled at least ``sample_every`` ago."""
+    samples, latest = into
+    newest: dict[int, HeartbeatReport] = {}
+    for hb in run.heartbeats:  # several beats of one rank: the highest seq wins
+        known = newest.get(hb.rank)
+        if known is None or hb.seq > known.seq:
+            newest[hb.rank] = hb
+    if not newest:
+        return
+    ranks = list(newest)
+    last_sampled: dict[int, datetime | None] = {}
+    for first in range(0, len(ranks), _RANKS_PER_READ):
+        chunk = ranks[first : first + _RANKS_PER_READ]
+        rows = session.execute(_LAST_SAMPLED, {"run_id": run.run_id, "ranks": chunk})
+        last_sampled.update((rank, at) for rank, at in rows)
+    for rank, hb in newest.items():
+        previous = last_sampled.get(rank)
+        sampled = previous is None or hb.sent_at - previous >= sample_every
+        if sampled:
+            samples.append(
+                {
+                    "run_id": run.run_id,
+                    "rank": rank,
+                    "node": hb.node,
+                    "phase": hb.phase,
+                    "step": hb.step,
+                    "sent_at": hb.sent_at,
+                }
+            )
+        latest.append(
+            {
+                "run_id": run.run_id,
+                "rank": rank,
+                "attempt_id": run.attempt_id,
+                "node": hb.node,
+                "phase": hb.phase,
+                "step": hb.step,
+                "progress_age_s": hb.progress_age_s,
+                "deadline_s": hb.deadline_s,
+                "seq": hb.seq,
+                "sent_at": hb.sent_at,
+                "received_at": received_at,
+                "sampled_at": hb.sent_at if sampled else previous,
+            }
+        )
+
+
 def record_heartbeats(
     session: Session,
     run_id: str,
@@ -102,59 +209,8 @@ def record_heartbeats(
 
     Returns the number of history samples written.
     """
-    if not heartbeats:
-        return 0
-    received_at = received_at or utcnow()
-    newest: dict[int, HeartbeatReport] = {}
-    for hb in heartbeats:  # a batch may hold several beats of one rank: the highest seq wins
-        if hb.rank not in newest or hb.seq > newest[hb.rank].seq:
-            newest[hb.rank] = hb
-    # Only this batch's ranks: an agent reports its node's few ranks of a run of many.
-    ranks = {"run_id": run_id, "lowest": min(newest), "highest": max(newest)}
-    last_sampled = {
-        rank: at for rank, at in session.execute(_LAST_SAMPLED, ranks) if rank in newest
-    }
-    samples = [
-        hb
-        for hb in newest.values()
-        if last_sampled.get(hb.rank) is None or hb.sent_at - last_sampled[hb.rank] >= sample_every
-    ]
-    sampled_ranks = {hb.rank for hb in samples}
-    if samples:
-        session.execute(
-            _NEW_SAMPLES,
-            [
-                {
-                    "run_id": run_id,
-                    "rank": hb.rank,
-                    "node": hb.node,
-                    "phase": hb.phase,
-                    "step": hb.step,
-                    "sent_at": hb.sent_at,
-                }
-                for hb in samples
-            ],
-        )
-    rows = [
-        {
-            "run_id": run_id,
-            "rank": hb.rank,
-            "attempt_id": attempt_id,
-            "node": hb.node,
-            "phase": hb.phase,
-            "step": hb.step,
-            "progress_age_s": hb.progress_age_s,
-            "deadline_s": hb.deadline_s,
-            "seq": hb.seq,
-            "sent_at": hb.sent_at,
-            "received_at": received_at,
-            "sampled_at": hb.sent_at if hb.rank in sampled_ranks else last_sampled.get(hb.rank),
-        }
-        for hb in newest.values()
-    ]
-    upsert = _heartbeat_upsert(session.get_bind().dialect.name)
-    session.execute(upsert, rows)  # one cached statement, executemany
-    return len(samples)
+    run = RunReports(run_id, attempt_id, heartbeats=heartbeats)
+    return record_reports(session, [run], sample_every=sample_every, received_at=received_at)
 
 
 def record_step_times(
@@ -164,22 +220,5 @@ def record_step_times(
     step_times: Sequence[StepTimeReport],
 ) -> int:
     """Append raw step times (one executemany); returns the number of rows written."""
-    if not step_times:
-        return 0
-    session.execute(
-        _NEW_STEP_TIMES,
-        [
-            {
-                "run_id": run_id,
-                "attempt_id": attempt_id,
-                "rank": st.rank,
-                "step": st.step,
-                "peer_group": st.peer_group,
-                "compute_s": st.compute_s,
-                "wait_s": st.wait_s,
-                "ended_at": st.ended_at,
-            }
-            for st in step_times
-        ],
-    )
+    record_reports(session, [RunReports(run_id, attempt_id, step_times=step_times)])
     return len(step_times)

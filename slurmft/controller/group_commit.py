@@ -1,0 +1,161 @@
+"""Group commit: the agent batches that arrive together are stored in one transaction.
+
+Every agent posts a batch every second, so a daemon watching 2,048 nodes answers 2,000 requests
+a second. One transaction per request costs a handful of statements each (authorize, cursor,
+heartbeats, step times, commands), and the statements, not the rows, are the cost: measured
+with 16,384 ranks, 1.5 ms of daemon CPU per batch on SQLite, 3 s per second of reports.
+
+So the request threads hand their parsed batch to one writer thread and wait. The writer takes
+everything queued, stores it with `ingest_batches` (a constant number of statements per group),
+commits, and only then answers each request: an agent is acknowledged only for what is durable.
+There is no added delay: under light load a group is one batch, and groups grow by themselves
+while a commit is in progress (the classic group commit of database logs).
+
+A group that fails for any reason but an unreachable store is retried one batch at a time, so
+one bad batch is refused alone and its neighbours are stored.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+
+from slurmft.controller.ingest import IngestRefused, ingest_batches
+from slurmft.db import Database, DatabaseUnavailable
+from slurmft.protocol import AgentBatch, BatchReply
+
+log = logging.getLogger(__name__)
+
+# Bounds one transaction: its rows and the time a lock on the store is held.
+MAX_GROUP_BATCHES = 512
+# A request gives up waiting after this long (the agent resends; the batch is idempotent).
+ANSWER_TIMEOUT_S = 60.0
+
+
+@dataclass
+class _Post:
+    batch: AgentBatch
+    token: str
+    answer: Future[BatchReply] = field(default_factory=Future)
+
+
+_STOP = object()
+
+
+class GroupCommitter:
+    """One writer thread storing the batches handed to `submit` by request threads."""
+
+    def __init__(
+        self,
+        database: Database,
+        *,
+        clock: Callable[[], datetime],
+        sample_every: timedelta,
+        max_group: int = MAX_GROUP_BATCHES,
+    ) -> None:
+        self.database = database
+        self.clock = clock
+        self.sample_every = sample_every
+        self.max_group = max_group
+        self._queue: queue.SimpleQueue[_Post | object] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="slurmft-ingest-writer", daemon=True)
+        self._stopped = threading.Event()
+        self.groups = 0  # committed groups, for tests and the benchmark
+        self.batches = 0
+
+    def start(self) -> GroupCommitter:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Store what is queued, then stop; later submits are answered 'retry later'."""
+        if self._stopped.is_set():
+            return
+        self._stopped.set()
+        self._queue.put(_STOP)
+        if self._thread.is_alive():
+            self._thread.join()
+        while True:  # a submit that raced with stop: answered, not left waiting
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(item, _Post):
+                item.answer.set_exception(DatabaseUnavailable("the daemon is stopping"))
+
+    def queued(self) -> int:
+        """Batches waiting for the writer."""
+        return self._queue.qsize()
+
+    def submit(
+        self, batch: AgentBatch, token: str, timeout_s: float = ANSWER_TIMEOUT_S
+    ) -> BatchReply:
+        """Store ``batch`` (or find it already stored) and return the agent's reply once its
+        transaction committed. Raises IngestRefused, or DatabaseUnavailable: retry later."""
+        if self._stopped.is_set():
+            raise DatabaseUnavailable("the daemon is stopping")
+        post = _Post(batch, token)
+        self._queue.put(post)
+        try:
+            return post.answer.result(timeout=timeout_s)
+        except FutureTimeout:
+            raise DatabaseUnavailable(
+                f"the store did not take the batch within {timeout_s:g} s"
+            ) from None
+
+    def _run(self) -> None:
+        while True:
+            first = self._queue.get()
+            if first is _STOP:
+                return
+            group = [first]
+            stop = False
+            while len(group) < self.max_group:
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if item is _STOP:
+                    stop = True
+                    break
+                group.append(item)
+            self._commit([post for post in group if isinstance(post, _Post)])
+            if stop:
+                return
+
+    def _commit(self, group: Sequence[_Post]) -> None:
+        try:
+            with self.database.session() as session:
+                results = ingest_batches(
+                    session,
+                    [(post.batch, post.token) for post in group],
+                    now=self.clock(),
+                    sample_every=self.sample_every,
+                )
+        except DatabaseUnavailable as error:  # every batch would fail alike: say so at once
+            for post in group:
+                post.answer.set_exception(error)
+            return
+        except Exception as error:
+            if len(group) == 1:
+                group[0].answer.set_exception(error)
+                return
+            log.warning(
+                "a group of %d batches failed (%s); storing them one by one", len(group), error
+            )
+            for post in group:
+                self._commit([post])
+            return
+        self.groups += 1
+        self.batches += len(group)
+        for post, result in zip(group, results, strict=True):
+            if isinstance(result, IngestRefused):
+                post.answer.set_exception(result)
+            else:
+                post.answer.set_result(result)
