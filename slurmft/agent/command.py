@@ -8,6 +8,11 @@ Every value here is a measured choice (../shared/notes/torchrun.md):
 - keep-alive 1 s × 4 attempts: a dead node is noticed in about 4 s. Heartbeats land up to two
   intervals apart, so 1 × 2 and 1 × 1 remove live nodes; 1 × 3 was stable on loopback; expiry
   compares wall clocks across nodes, so a real cluster starts at 1 × 4.
+- rendezvous state poll 0.1 s for small jobs instead of torch's hard-coded 1 s (rdzv_fix,
+  behind its version gate): a recovery waits for several polls in a row. Each waiting agent
+  reads the whole state per poll, so the poll lengthens with the node count, back to torch's
+  1 s from 40 nodes on: the store never sees more polling than 40 nodes put on it with torch's
+  own poll.
 - `--max-restarts` high: every peer-node loss costs each survivor one torchrun restart, so
   torchrun's counter must not be the cap (slurmft counts restarts without progress).
 """
@@ -54,6 +59,16 @@ STACKS_DIR_ENV = "SLURMFT_STACKS_DIR"
 SAVE_REQUEST_FILE_ENV = "SLURMFT_SAVE_REQUEST_FILE"
 
 DEFAULT_MAX_RESTARTS = 1_000_000
+FASTEST_RDZV_POLL_S = 0.1
+TORCH_RDZV_POLL_S = 1.0
+# Nodes whose agents, polling at torch's own 1 s, put the most polling the store is to carry.
+RDZV_POLL_NODES_AT_TORCH_RATE = 40
+
+
+def default_rdzv_poll_s(nodes: int) -> float:
+    """The rendezvous state poll for a job of `nodes` nodes (see the module docstring)."""
+    scaled = nodes * TORCH_RDZV_POLL_S / RDZV_POLL_NODES_AT_TORCH_RATE
+    return min(TORCH_RDZV_POLL_S, max(FASTEST_RDZV_POLL_S, scaled))
 
 
 @dataclass(frozen=True)
@@ -74,6 +89,7 @@ class TorchrunSpec:
     wait_list_fix: bool = True
     # An agent beyond the first N: without the wait-list fix it must not join at all.
     spare_candidate: bool = False
+    rdzv_poll_s: float | None = None  # None: default_rdzv_poll_s(nodes)
 
     def __post_init__(self) -> None:
         if self.nodes < 1 or self.nproc_per_node < 1:
@@ -82,6 +98,12 @@ class TorchrunSpec:
             raise ValueError("no training script given")
         if self.keep_alive_interval_s < 1 or self.keep_alive_max_attempts < 1:
             raise ValueError("keep-alive interval and attempts must be at least 1")
+        if self.rdzv_poll_s is not None and not 0 < self.rdzv_poll_s <= TORCH_RDZV_POLL_S:
+            raise ValueError(f"rendezvous poll must be in (0, {TORCH_RDZV_POLL_S}] s")
+
+    @property
+    def poll_s(self) -> float:
+        return default_rdzv_poll_s(self.nodes) if self.rdzv_poll_s is None else self.rdzv_poll_s
 
 
 def rdzv_conf(spec: TorchrunSpec) -> str:
@@ -113,10 +135,11 @@ def torchrun_args(spec: TorchrunSpec) -> list[str]:
 
 def launcher_argv(spec: TorchrunSpec, python: str) -> list[str]:
     """`python -m slurmft.agent.launcher [flags] -- <torchrun args>`: torchrun's main, run after
-    the launcher has applied (or refused) the wait-list fix."""
+    the launcher has applied (or refused) the wait-list fix and the shorter poll."""
     flags = ["--wait-list-fix" if spec.wait_list_fix else "--no-wait-list-fix"]
     if spec.spare_candidate:
         flags.append("--spare-candidate")
+    flags.append(f"--rdzv-poll-s={spec.poll_s:g}")
     return [python, "-m", LAUNCHER_MODULE, *flags, "--", *torchrun_args(spec)]
 
 

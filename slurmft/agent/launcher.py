@@ -1,12 +1,14 @@
 """torchrun's main, run after the wait-list fix is applied (or refused) in the same process.
 
-    python -m slurmft.agent.launcher [--no-wait-list-fix] [--spare-candidate] -- <torchrun args>
+    python -m slurmft.agent.launcher [--no-wait-list-fix] [--spare-candidate] [--rdzv-poll-s S] \
+        -- <torchrun args>
 
 Only torchrun's process imports this module's torch parts (inside `main`), so the daemon and
 the agent stay torch-free. When torch's internals differ from what the fix knows, an agent that
 could only be a spare (`--spare-candidate`: beyond the first N nodes) exits with
 AgentExit.SPARE_REFUSED, and the first N run as a job without spares: with exactly N agents the
-wait-list defect cannot trigger.
+wait-list defect cannot trigger. `--rdzv-poll-s` shortens torch's one-second rendezvous state
+poll under the same gate (rdzv_fix); refused, torch keeps its own.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from slurmft.agent import rdzv_fix
 from slurmft.agent.exits import AgentExit
 
 PREFIX = "slurmft launcher:"
@@ -27,11 +30,15 @@ PREFIX = "slurmft launcher:"
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     if "--" not in argv:
-        raise SystemExit(f"{PREFIX} usage: [--no-wait-list-fix] [--spare-candidate] -- <torchrun>")
+        raise SystemExit(
+            f"{PREFIX} usage: [--no-wait-list-fix] [--spare-candidate] [--rdzv-poll-s S] "
+            "-- <torchrun>"
+        )
     split = argv.index("--")
     parser = argparse.ArgumentParser(prog="python -m slurmft.agent.launcher")
     parser.add_argument("--wait-list-fix", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--spare-candidate", action="store_true")
+    parser.add_argument("--rdzv-poll-s", type=float, default=rdzv_fix.TORCH_POLL_S)
     return parser.parse_args(argv[:split]), argv[split + 1 :]
 
 
@@ -39,11 +46,11 @@ def say(message: str) -> None:
     print(f"{PREFIX} {message}", file=sys.stderr, flush=True)
 
 
-def prepare_rendezvous(wait_list_fix: bool, spare_candidate: bool) -> AgentExit | None:
+def prepare_rendezvous(
+    wait_list_fix: bool, spare_candidate: bool, poll_s: float = rdzv_fix.TORCH_POLL_S
+) -> AgentExit | None:
     """Apply the fix or decide this agent may not run; returns an exit code to stop with."""
     import torch  # noqa: TID251 (torchrun's process, never the agent's)
-
-    from slurmft.agent import rdzv_fix
 
     if not wait_list_fix:
         say("wait-list fix disabled: with more agents than nodes torch may restart in a loop")
@@ -51,8 +58,11 @@ def prepare_rendezvous(wait_list_fix: bool, spare_candidate: bool) -> AgentExit 
     module = rdzv_fix.load_module()
     problems = rdzv_fix.check_internals(module)
     if not problems:
-        rdzv_fix.apply(module)
-        say(f"wait-list fix applied (torch {torch.__version__})")
+        rdzv_fix.apply(module, poll_s)
+        say(
+            f"wait-list fix applied (torch {torch.__version__}), "
+            f"rendezvous state poll {rdzv_fix.poll_interval(module):g} s"
+        )
         return None
     say(
         f"the wait-list fix does not know torch {torch.__version__}'s rendezvous internals ("
@@ -115,7 +125,9 @@ def main(argv: list[str] | None = None) -> int:
     die_with_parent()
     survive_rank_signals()
     options, torchrun_args = parse_args(sys.argv[1:] if argv is None else argv)
-    refused = prepare_rendezvous(options.wait_list_fix, options.spare_candidate)
+    refused = prepare_rendezvous(
+        options.wait_list_fix, options.spare_candidate, options.rdzv_poll_s
+    )
     if refused is not None:
         return int(refused)
     patch_graceful_exit()

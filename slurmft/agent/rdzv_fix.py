@@ -11,6 +11,14 @@ count against `--max-restarts`. Fix:
   (b) a node in the wait list that finds the round complete and full moves itself to the
       redundancy list, where spares wait without a timeout and without counting as waiting.
 
+Shorter state poll: an agent waiting for the rendezvous to change (the survivors after a node
+loss, a spare waiting for a free rank) syncs the state, then sleeps one second, hard-coded
+(`_delay(seconds=1)` in `_DistributedRendezvousOpExecutor.run`); and a sync with nothing to write
+serves a cached state for one second (`_BackendRendezvousStateHolder`'s `cache_duration`, 1 in
+`from_backend`). A recovery waits for several such polls in a row (the dead node's expiry, the
+spare's join, the others seeing the round complete). `apply` can shorten both to the same poll;
+the rendezvous logic, the keep-alive heartbeats and their expiry are unchanged.
+
 The gate: the fix wraps four torch internals and assumes the names it reads. `check_internals`
 verifies the names and a fingerprint of each wrapped function's source; on any difference the
 launcher says so and the job runs without spares instead of with a fix that may misbehave.
@@ -20,6 +28,7 @@ torch is imported only inside `load_module`, by the launcher in torchrun's own p
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib
 import inspect
@@ -28,6 +37,9 @@ from typing import Any
 
 DYNAMIC_RENDEZVOUS = "torch.distributed.elastic.rendezvous.dynamic_rendezvous"
 _APPLIED_MARK = "_slurmft_wait_list_fix"
+_POLL_MARK = "_slurmft_poll_s"
+# torch's state poll, the one sleep that `apply` shortens: `run` sleeps it on every _Action.SYNC.
+TORCH_POLL_S = 1.0
 
 # sha256 (first 16 hex) of each function's source, whitespace-normalized, as in torch 2.13.0.
 KNOWN_FINGERPRINTS: dict[str, str] = {
@@ -35,7 +47,14 @@ KNOWN_FINGERPRINTS: dict[str, str] = {
     "_RendezvousJoinOp.__call__": "d2701b435c9b3b89",
     "_DistributedRendezvousOpExecutor.run": "1ca9b15cdee22a77",
     "_DistributedRendezvousOpExecutor._add_to_redundancy_list": "5f07e1a5257e7315",
+    "_delay": "6cd5700116d2d715",
+    "_BackendRendezvousStateHolder.__init__": "438d834558716598",
+    "_BackendRendezvousStateHolder.sync": "b2a092020f5ec77a",
 }
+# Every `_delay(...)` call in the module, as in torch 2.13.0: the poll (in `run`, checked by its
+# fingerprint above) and the first round's random skew. A new one-second call elsewhere would be
+# shortened too, so any change here refuses the fix.
+KNOWN_DELAY_CALLS = ("_delay(seconds=1)", "_delay(seconds=(0, 0.3))")
 # Names the fix reads besides the wrapped functions.
 REQUIRED_NAMES = (
     "_Action.ADD_TO_REDUNDANCY_LIST",
@@ -92,7 +111,22 @@ def check_internals(module: ModuleType) -> list[str]:
             continue
         if seen != known:
             problems.append(f"{name} changed (source fingerprint {seen}, expected {known})")
-    return problems
+    return problems + check_delay_calls(_module_source(module))
+
+
+def _module_source(module: ModuleType) -> str:
+    try:
+        return inspect.getsource(module)
+    except (OSError, TypeError):
+        return ""
+
+
+def check_delay_calls(source: str) -> list[str]:
+    """The module's `_delay(...)` calls must be the known ones: `apply` shortens one of them."""
+    calls = tuple(line.strip() for line in source.splitlines() if "_delay(" in line)
+    if calls == KNOWN_DELAY_CALLS:
+        return []
+    return [f"_delay calls changed ({'; '.join(calls) or 'none found'})"]
 
 
 def is_applied(module: ModuleType) -> bool:
@@ -103,10 +137,42 @@ def _round_full(state: Any, max_nodes: int) -> bool:
     return bool(state.complete) and len(state.participants) >= max_nodes
 
 
-def apply(module: ModuleType) -> None:
-    """Patch the module's classes in place (idempotent). Call only when check_internals is empty."""
+def poll_interval(module: ModuleType) -> float:
+    """The state poll the module now sleeps (torch's own until `apply` shortened it)."""
+    return float(getattr(module, _POLL_MARK, TORCH_POLL_S))
+
+
+def _shorten_poll(module: ModuleType, poll_s: float) -> None:
+    original_delay = module._delay
+
+    @functools.wraps(original_delay)
+    def delay(seconds: float | tuple[float, float]) -> None:
+        # Only the poll sleeps exactly one second (check_delay_calls); the skew is a tuple.
+        original_delay(poll_s if seconds == TORCH_POLL_S else seconds)
+
+    holder_cls = module._BackendRendezvousStateHolder
+    original_init = holder_cls.__init__
+
+    @functools.wraps(original_init)
+    def init(self: Any, *args: Any, **kwargs: Any) -> None:
+        original_init(self, *args, **kwargs)
+        # A cached state older than one poll would make the shorter poll read nothing new.
+        self._cache_duration = min(self._cache_duration, poll_s)
+
+    module._delay = delay
+    holder_cls.__init__ = init
+    setattr(module, _POLL_MARK, poll_s)
+
+
+def apply(module: ModuleType, poll_s: float = TORCH_POLL_S) -> None:
+    """Patch the module's classes in place (idempotent); with `poll_s` below torch's 1 s, also
+    shorten the state poll. Call only when check_internals is empty."""
+    if not 0 < poll_s <= TORCH_POLL_S:
+        raise ValueError(f"poll_s must be in (0, {TORCH_POLL_S}], not {poll_s}")
     if is_applied(module):
         return
+    if poll_s < TORCH_POLL_S:
+        _shorten_poll(module, poll_s)
     handler_cls = module.DynamicRendezvousHandler
     join_op_cls = module._RendezvousJoinOp
     executor_cls = module._DistributedRendezvousOpExecutor

@@ -7,6 +7,7 @@ import pytest
 from slurmft.agent.command import (
     NCCL_ENV,
     TorchrunSpec,
+    default_rdzv_poll_s,
     launcher_argv,
     torchrun_args,
     torchrun_env,
@@ -27,7 +28,12 @@ def spec(**overrides: object) -> TorchrunSpec:
 
 def test_golden_launcher_argv() -> None:
     assert launcher_argv(spec(), "/venv/bin/python") == [
-        "/venv/bin/python", "-m", "slurmft.agent.launcher", "--wait-list-fix", "--",
+        "/venv/bin/python",
+        "-m",
+        "slurmft.agent.launcher",
+        "--wait-list-fix",
+        "--rdzv-poll-s=0.1",
+        "--",
         "--nnodes=3:3",
         "--nproc-per-node=8",
         "--rdzv-backend=c10d",
@@ -35,7 +41,9 @@ def test_golden_launcher_argv() -> None:
         "--rdzv-id=r1234",
         "--rdzv-conf=is_host=false,join_timeout=600,keep_alive_interval=1,keep_alive_max_attempt=4",
         "--max-restarts=1000000",
-        "train.py", "--lr", "0.1",
+        "train.py",
+        "--lr",
+        "0.1",
     ]
 
 
@@ -43,8 +51,10 @@ def test_golden_launcher_argv() -> None:
     ("overrides", "expected"),
     [
         ({"rdzv_timeout_s": 120}, "join_timeout=120"),
-        ({"keep_alive_interval_s": 2, "keep_alive_max_attempts": 5},
-         "keep_alive_interval=2,keep_alive_max_attempt=5"),
+        (
+            {"keep_alive_interval_s": 2, "keep_alive_max_attempts": 5},
+            "keep_alive_interval=2,keep_alive_max_attempt=5",
+        ),
         ({"max_restarts": 7}, "--max-restarts=7"),
         ({"local_addr": "10.0.0.9"}, "--local-addr=10.0.0.9"),
         ({"script": ("-m", "pkg.train")}, "-m pkg.train"),
@@ -56,13 +66,32 @@ def test_settings_reach_torchrun(overrides: dict[str, object], expected: str) ->
 
 def test_spare_candidate_and_disabled_fix_reach_the_launcher() -> None:
     argv = launcher_argv(spec(spare_candidate=True, wait_list_fix=False), "py")
-    assert argv[3:6] == ["--no-wait-list-fix", "--spare-candidate", "--"]
+    assert argv[3:7] == ["--no-wait-list-fix", "--spare-candidate", "--rdzv-poll-s=0.1", "--"]
+
+
+@pytest.mark.parametrize(
+    ("nodes", "poll_s"), [(1, 0.1), (4, 0.1), (20, 0.5), (40, 1.0), (2048, 1.0)]
+)
+def test_rendezvous_poll_lengthens_with_the_node_count_up_to_torchs_second(
+    nodes: int, poll_s: float
+) -> None:
+    assert default_rdzv_poll_s(nodes) == pytest.approx(poll_s)
+    assert f"--rdzv-poll-s={poll_s:g}" in launcher_argv(spec(nodes=nodes), "py")
+
+
+def test_a_chosen_rendezvous_poll_wins_and_must_be_within_a_second() -> None:
+    assert "--rdzv-poll-s=0.25" in launcher_argv(spec(rdzv_poll_s=0.25), "py")
+    with pytest.raises(ValueError, match="poll"):
+        spec(rdzv_poll_s=2.0)
 
 
 def test_env_forces_store_fix_and_channel_but_keeps_users_nccl_choice() -> None:
     env = torchrun_env(
-        {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "0", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3",
-         "PATH": "/bin"},
+        {
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "0",
+            "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3",
+            "PATH": "/bin",
+        },
         agent_socket="/tmp/a/ranks.sock",
         stacks_dir="/tmp/a/stacks",
         save_request_file="/tmp/a/save-request",

@@ -1,4 +1,5 @@
-"""The wait-list fix: its decisions on torch's own rendezvous code, and the version gate."""
+"""The wait-list fix and the shorter state poll: their effect on torch's own rendezvous code,
+and the version gate."""
 
 from __future__ import annotations
 
@@ -49,10 +50,14 @@ DECISIONS = textwrap.dedent(
 
 
 def decisions(with_fix: bool) -> list[str]:
-    script = ("from slurmft.agent import rdzv_fix; rdzv_fix.apply(rdzv_fix.load_module())\n"
-              if with_fix else "") + DECISIONS
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          timeout=120, check=False)
+    script = (
+        "from slurmft.agent import rdzv_fix; rdzv_fix.apply(rdzv_fix.load_module())\n"
+        if with_fix
+        else ""
+    ) + DECISIONS
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False
+    )
     assert done.returncode == 0, done.stderr
     return done.stdout.split()
 
@@ -122,9 +127,96 @@ def test_launcher_refuses_spares_on_unknown_torch_and_runs_the_first_n_without_t
         print(int(spare), active, rdzv_fix.is_applied(d))
         """
     )
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          timeout=120, check=False)
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == [str(int(AgentExit.SPARE_REFUSED)), "None", "False"]
     assert "does not know torch" in done.stderr and "_Action.ADD_TO_REDUNDANCY_LIST" in done.stderr
     assert "not joining (spares need the fix)" in done.stderr
+
+
+# What the poll patch changes, seen in a child: torch's sleeps (recorded, not slept) and the
+# state holder's cache.
+POLL = textwrap.dedent(
+    """
+    import sys, time
+    from datetime import timedelta
+    from slurmft.agent import rdzv_fix
+    d = rdzv_fix.load_module()
+    if len(sys.argv) > 1:
+        rdzv_fix.apply(d, float(sys.argv[1]))
+    slept = []
+    time.sleep = slept.append
+    d._delay(seconds=1)  # the SYNC poll in _DistributedRendezvousOpExecutor.run
+    d._delay(seconds=(0.2, 0.2))  # the first round's skew
+    settings = d.RendezvousSettings("r", 3, 3, d.RendezvousTimeout(), timedelta(seconds=1), 4)
+    holder = d._BackendRendezvousStateHolder(None, settings)
+    print(*slept, holder._cache_duration, rdzv_fix.poll_interval(d))
+    """
+)
+
+
+def poll_seen(*poll_s: str) -> list[str]:
+    done = subprocess.run(
+        [sys.executable, "-c", POLL, *poll_s],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout.split()
+
+
+def test_torch_alone_polls_and_caches_the_state_for_one_second() -> None:
+    assert poll_seen() == ["1", "0.2", "1", "1.0"]
+
+
+def test_the_shorter_poll_shortens_the_sync_sleep_and_the_cache_only() -> None:
+    assert poll_seen("0.1") == ["0.1", "0.2", "0.1", "0.1"]
+
+
+def test_a_poll_of_torchs_own_second_changes_nothing() -> None:
+    assert poll_seen("1") == ["1", "0.2", "1", "1.0"]
+
+
+@pytest.mark.parametrize("poll_s", [0.0, -1.0, 1.5])
+def test_a_poll_outside_zero_to_one_second_is_refused(poll_s: float) -> None:
+    with pytest.raises(ValueError, match="poll_s"):
+        rdzv_fix.apply(copy_of_torch_module(), poll_s)
+
+
+def test_the_gate_refuses_a_changed_state_cache() -> None:
+    module = copy_of_torch_module()
+
+    class Holder(module._BackendRendezvousStateHolder):  # type: ignore[name-defined,misc]
+        def sync(self) -> bool | None:  # a torch that caches differently
+            return None
+
+    module._BackendRendezvousStateHolder = Holder
+    (problem,) = rdzv_fix.check_internals(module)
+    assert problem.startswith("_BackendRendezvousStateHolder.sync changed")
+
+
+def test_the_gate_refuses_a_new_one_second_delay_elsewhere() -> None:
+    source = "\n".join(["x = 1", *rdzv_fix.KNOWN_DELAY_CALLS, "        _delay(seconds=1)"])
+    (problem,) = rdzv_fix.check_delay_calls(source)
+    assert problem.startswith("_delay calls changed")
+    assert rdzv_fix.check_delay_calls("\n".join(rdzv_fix.KNOWN_DELAY_CALLS)) == []
+
+
+def test_launcher_applies_the_poll_it_is_given() -> None:
+    script = textwrap.dedent(
+        """
+        from slurmft.agent import launcher, rdzv_fix
+        print(launcher.prepare_rendezvous(True, False, 0.1),
+              rdzv_fix.poll_interval(rdzv_fix.load_module()))
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["None", "0.1"]
+    assert "rendezvous state poll 0.1 s" in done.stderr
