@@ -29,6 +29,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from enum import StrEnum
+from typing import NamedTuple
 
 
 class HangKind(StrEnum):
@@ -36,9 +37,9 @@ class HangKind(StrEnum):
     FROZEN = "frozen"  # heartbeats stopped while peers' continue
 
 
-@dataclass(frozen=True)
-class RankBeat:
-    """The latest heartbeat of one rank, as the daemon holds it."""
+class RankBeat(NamedTuple):
+    """The latest heartbeat of one rank, as the daemon holds it (a NamedTuple, not a frozen
+    dataclass: one is built per rank per pass, and that init costs five times as much)."""
 
     rank: int
     node: str
@@ -128,10 +129,9 @@ def find_unresponsive(
     ]
 
 
-@dataclass(frozen=True)
-class RankCompute:
+class RankCompute(NamedTuple):
     """One rank's own compute time per bucket of the window (e.g. per-minute medians), oldest
-    first; buckets are aligned across the ranks of a run."""
+    first; buckets are aligned across the ranks of a run. One per rank per pass: a NamedTuple."""
 
     rank: int
     node: str

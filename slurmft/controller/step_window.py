@@ -70,13 +70,6 @@ class _RankSteps:
             del self.ended[:cut], self.compute[:cut], self.group[:cut]
 
 
-def _median(values: list[float]) -> float:
-    """statistics.median, inlined: it runs for every rank and bucket of every pass."""
-    ordered = sorted(values)
-    mid = len(ordered) // 2
-    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
-
-
 @dataclass
 class _RunWindow:
     floor: int  # rows that ended before this are not held
@@ -160,7 +153,12 @@ class StepWindows:
             for low, high in itertools.pairwise(cuts):  # plain loops: this runs for every rank
                 if low >= high:
                     break  # an empty bucket: restarting or gone
-                medians.append(_median(compute[low:high]))
+                # statistics.median, inlined: this runs for every rank and bucket of every pass
+                ordered = sorted(compute[low:high])
+                mid = (high - low) // 2
+                medians.append(
+                    ordered[mid] if (high - low) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+                )
             else:
                 computes.append(
                     RankCompute(rank, node, tuple(medians), peer_group=steps.group[cuts[-1] - 1])

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 import secrets
+from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any, ClassVar
 
@@ -28,6 +29,7 @@ from sqlalchemy import (
     TypeDecorator,
     UniqueConstraint,
 )
+from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship, validates
 
 from slurmft.db.states import (
@@ -70,6 +72,21 @@ class UTCDateTime(TypeDecorator[datetime]):
 
     def process_result_value(self, value: datetime | None, dialect: Any) -> datetime | None:
         return None if value is None else value.replace(tzinfo=UTC)
+
+    def bind_processor(self, dialect: Dialect) -> Callable[[datetime | None], Any] | None:
+        if dialect.name != "sqlite":
+            return super().bind_processor(dialect)
+        # SQLite stores text. SQLAlchemy's DATETIME formats it through a dict and `%`; the
+        # daemon binds ~50,000 timestamps a second for a 16,384-rank run, and isoformat is the
+        # same text ("YYYY-MM-DD HH:MM:SS.ffffff", microseconds always) at a third of the cost.
+        def process(value: datetime | None) -> str | None:
+            if value is None:
+                return None
+            naive = self.process_bind_param(value, dialect)
+            assert naive is not None
+            return naive.isoformat(" ", "microseconds")
+
+        return process
 
 
 def _enum(cls: type[enum.Enum], length: int = 32) -> Enum:
