@@ -76,17 +76,33 @@ class UTCDateTime(TypeDecorator[datetime]):
     def bind_processor(self, dialect: Dialect) -> Callable[[datetime | None], Any] | None:
         if dialect.name != "sqlite":
             return super().bind_processor(dialect)
-        # SQLite stores text. SQLAlchemy's DATETIME formats it through a dict and `%`; the
-        # daemon binds ~50,000 timestamps a second for a 16,384-rank run, and isoformat is the
-        # same text ("YYYY-MM-DD HH:MM:SS.ffffff", microseconds always) at a third of the cost.
-        def process(value: datetime | None) -> str | None:
-            if value is None:
-                return None
-            naive = self.process_bind_param(value, dialect)
-            assert naive is not None
-            return naive.isoformat(" ", "microseconds")
+        to_text = driver_time(dialect.name)
+        return lambda value: None if value is None else to_text(value)
 
-        return process
+
+def driver_time(dialect_name: str) -> Callable[[datetime], Any]:
+    """An aware timestamp as the driver takes it for a UTCDateTime column, for statements run
+    below SQLAlchemy's parameter processing (db.ingest's hot inserts).
+
+    SQLite stores text. SQLAlchemy's DATETIME formats it through a dict and `%`; the daemon
+    binds ~50,000 timestamps a second for a 16,384-rank run, and isoformat is the same text
+    ("YYYY-MM-DD HH:MM:SS.ffffff", microseconds always) at a third of the cost."""
+    as_naive_utc = UTCDateTime().process_bind_param
+
+    def naive(value: datetime) -> datetime:
+        converted = as_naive_utc(value, None)
+        assert converted is not None
+        return converted
+
+    if dialect_name == "sqlite":
+
+        def text(value: datetime) -> str:
+            if value.tzinfo is UTC:  # the usual case: "...ffffff+00:00" less the offset
+                return value.isoformat(" ", "microseconds")[:26]
+            return naive(value).isoformat(" ", "microseconds")
+
+        return text
+    return naive
 
 
 def _enum(cls: type[enum.Enum], length: int = 32) -> Enum:
@@ -388,9 +404,7 @@ class AgentCursor(Base):
 
     __tablename__ = "agent_cursors"
 
-    run_id: Mapped[str] = mapped_column(
-        ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True
-    )
+    run_id: Mapped[str] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
     agent_id: Mapped[str] = mapped_column(String(64), primary_key=True)
     node: Mapped[str] = mapped_column(String(128))
     last_seq: Mapped[int] = mapped_column(BigInteger)
