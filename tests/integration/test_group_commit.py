@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable, Sequence
 from datetime import UTC, datetime, timedelta
 
+import msgspec
 import pytest
 from sqlalchemy import func, select
 
@@ -131,3 +132,22 @@ def test_an_unreachable_store_answers_every_waiting_agent_at_once() -> None:
     assert committer.groups == 0
     with pytest.raises(DatabaseUnavailable, match="stopping"):
         committer.submit(_batch(0), "t")
+
+
+def test_a_value_too_long_for_postgresql_is_refused_not_cut_short(
+    database: Database, token: str
+) -> None:
+    """PostgreSQL refuses a node name over its varchar(128) (the bulk insert must not cut it
+    short): that batch alone is refused; SQLite has no lengths and stores it whole."""
+    long_node = msgspec.structs.replace(_batch(2), node="n" * 200)
+    posts = [(_batch(0), token), (_batch(1), token), (long_node, token)]
+    results = _submit_together(_committer(database), posts)
+    assert all(isinstance(r, BatchReply) for r in results[:2]), results
+    with database.session() as s:
+        nodes = set(s.scalars(select(RankHeartbeat.node)))
+    if database.dialect == "postgresql":
+        assert not isinstance(results[2], BatchReply)
+        assert nodes == {"n0", "n1"}
+    else:
+        assert isinstance(results[2], BatchReply)
+        assert nodes == {"n0", "n1", "n" * 200}
