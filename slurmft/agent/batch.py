@@ -7,6 +7,11 @@ Facts behind the flags (../shared/notes/local-slurm.md):
 - `--kill-on-bad-exit=0`: a site's KillOnBadExit=1 would end the step when one agent leaves.
 - explicit `-N/-n` and `--immediate`: in a job shrunk by a node loss, `srun -N <old count>`
   waits forever ("Requested nodes are busy").
+- `--overlap`: an agent step that ended after a node loss keeps holding the CPUs of every node
+  until Slurm has marked the lost node DOWN (~10 s here, minutes at a site with SlurmdTimeout
+  300 s); a new step on the healthy nodes got "Requested nodes are busy" until then. The batch
+  step starts a step only after the previous one has ended, so the overlap lets it reuse CPUs
+  that nothing uses any more; it never runs two agents of a run on one node.
 """
 
 from __future__ import annotations
@@ -54,7 +59,9 @@ class BatchSpec:
 
     def agent_argv(self, store_host: str, outcome_dir: str = "") -> list[str]:
         argv = [
-            self.slurmft, "agent", "run",
+            self.slurmft,
+            "agent",
+            "run",
             f"--nodes={self.nodes}",
             f"--nproc-per-node={self.nproc_per_node}",
             f"--rdzv-endpoint={store_host}:{self.store_port}",
@@ -69,7 +76,9 @@ class BatchSpec:
     def batch_argv(self) -> list[str]:
         """The batch script's one command: `slurmft agent batch ...`."""
         argv = [
-            self.slurmft, "agent", "batch",
+            self.slurmft,
+            "agent",
+            "batch",
             f"--run-id={self.run_id}",
             f"--nodes={self.nodes}",
             f"--spares={self.spares}",
@@ -89,8 +98,14 @@ def job_script(spec: BatchSpec, env: dict[str, str] | None = None) -> str:
 
 
 def submit_request(
-    spec: BatchSpec, *, job_name: str, time_limit: str | None = None, save_lead_s: int = 300,
-    exclude: Sequence[str] = (), partition: str | None = None, output: str | None = None,
+    spec: BatchSpec,
+    *,
+    job_name: str,
+    time_limit: str | None = None,
+    save_lead_s: int = 300,
+    exclude: Sequence[str] = (),
+    partition: str | None = None,
+    output: str | None = None,
 ) -> SubmitRequest:
     """`--no-kill --requeue`, and USR1 to the batch shell `save_lead_s` before the time limit."""
     return SubmitRequest(
@@ -116,6 +131,7 @@ def srun_argv(nodes: Sequence[str], agent_argv: Sequence[str]) -> list[str]:
         "srun",
         "--no-kill",
         "--kill-on-bad-exit=0",
+        "--overlap",
         f"--nodes={count}",
         f"--ntasks={count}",
         "--ntasks-per-node=1",
@@ -267,5 +283,8 @@ def after_step(  # noqa: PLR0917 (the step's whole result)
         return Decision(Move.GIVE_UP, budget.stop_reason())
     if len(usable) < spec.nodes:
         return Decision(Move.REQUEUE, f"{len(usable)} usable nodes, {spec.nodes} needed")
-    return Decision(Move.RELAUNCH, f"agent step ended with {returncode}: relaunch on "
-                    f"{len(usable)} nodes", tuple(usable))
+    return Decision(
+        Move.RELAUNCH,
+        f"agent step ended with {returncode}: relaunch on {len(usable)} nodes",
+        tuple(usable),
+    )

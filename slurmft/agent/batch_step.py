@@ -109,8 +109,14 @@ class BatchStep:
             if self.save_requested.is_set():
                 return self._save_and_requeue_done()
             outcomes = self._read_outcomes()
-            decision = after_step(returncode, self.usable(), self.spec, self.state,
-                                  newest_checkpoint(self.spec.ckpt_dir), outcomes)
+            decision = after_step(
+                returncode,
+                self.usable(),
+                self.spec,
+                self.state,
+                newest_checkpoint(self.spec.ckpt_dir),
+                outcomes,
+            )
             self.state.history.append(decision.reason)
             self.state.save(self.spec.ckpt_dir)
             log.info("%s", decision.reason)
@@ -148,8 +154,11 @@ class BatchStep:
             log.warning("Slurm unreachable (%s): keeping the agent step", error)
             return False
         if len(alive) < self.spec.nodes:
-            log.warning("only %d of the step's nodes left (%d needed): ending the step",
-                        len(alive), self.spec.nodes)
+            log.warning(
+                "only %d of the step's nodes left (%d needed): ending the step",
+                len(alive),
+                self.spec.nodes,
+            )
             return True
         return False
 
@@ -165,6 +174,12 @@ class BatchStep:
             return int(step.wait(timeout=self.stop_grace_s))
         except subprocess.TimeoutExpired:
             step.kill()
+            # The next agent step shares the CPUs (srun --overlap): no agent of this one may
+            # live on beside it.
+            try:
+                self.client.signal(self.job_id, "KILL", SignalTarget.STEPS)
+            except SlurmError as error:
+                log.warning("could not kill the agent step (%s)", error)
             return int(step.wait(timeout=30))
 
     def _coordinated_save(self, step: subprocess.Popen[bytes]) -> None:

@@ -19,6 +19,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -149,8 +150,8 @@ def submit(
     return Job(as_user.slurm_client(cluster.conf).submit(request), workdir)
 
 
-def workers_on(cluster: Cluster, step: str, node: str) -> int:
-    """Training worker processes of `step` on `node` (an agent, its launcher, then workers)."""
+def step_pids(cluster: Cluster, step: str, node: str) -> list[int]:
+    """The processes of `step` on `node` (none where the node is dead or the step ended there)."""
     env = {**os.environ, "SLURM_CONF": cluster.conf}
     listed = subprocess.run(
         ["scontrol", "listpids", step, node],
@@ -160,16 +161,49 @@ def workers_on(cluster: Cluster, step: str, node: str) -> int:
         timeout=30,
         check=False,
     ).stdout.split("\n")[1:]
+    return [int(line.split()[0]) for line in listed if line.split() and line.split()[0].isdigit()]
+
+
+def workers_on(cluster: Cluster, step: str, node: str) -> int:
+    """Training worker processes of `step` on `node` (an agent, its launcher, then workers)."""
     count = 0
-    for line in listed:
-        pid = line.split()[0] if line.split() else ""
+    for pid in step_pids(cluster, step, node):
         try:
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        except (OSError, ValueError):
+        except OSError:
             continue
         if b"slurmft.train.examples.tiny" in cmdline[1:4]:  # python [-u] -m <the script>
             count += 1
     return count
+
+
+class StepOverlapWatch:
+    """Samples, until stopped, which agent steps have processes on which node, and keeps every
+    sample where two steps ran on one node at once (two agents of one run on one node)."""
+
+    def __init__(self, cluster: Cluster, job: Job):
+        self.cluster, self.job = cluster, job
+        self.overlaps: list[tuple[str, list[str]]] = []
+        self.samples = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> StepOverlapWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=60)
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.5):
+            steps = steps_of(self.cluster, self.job)
+            for node in NODES:
+                busy = [s for s in steps if step_pids(self.cluster, s, node)]
+                if len(busy) > 1:
+                    self.overlaps.append((node, busy))
+            self.samples += 1
 
 
 def steps_of(cluster: Cluster, job: Job) -> list[str]:
@@ -272,27 +306,26 @@ def test_no_spare_left_a_dead_store_relaunches_on_the_healthy_nodes(
 ) -> None:
     """A node is lost and the spare takes its place (no spare left), then the store dies, which
     ends the agent step: the batch step relaunches it on the three healthy nodes, without the
-    lost one, and training resumes."""
+    lost one, and training resumes. The store dies before Slurm has marked the lost node DOWN,
+    while the ended step still holds the healthy nodes' CPUs (srun --overlap), and no two agent
+    steps ever run on one node at once."""
     job = submit(cluster, tmp_path, free_port)
     killed: list[str] = []
     try:
-        _, victim = kill_an_active_node(cluster, job, killed)
-        # Until Slurm has marked the node DOWN and shrunk the job, the ended step still holds
-        # the CPUs of the other nodes, and a new step gets "Requested nodes are busy" (seen).
-        wait_for(
-            lambda: victim not in cluster.client.job(job.job_id).nodes,
-            120,
-            "Slurm to mark the node DOWN and shrink the job",
-        )
-        store = _store_server_pid(free_port)
-        os.kill(store, signal.SIGKILL)  # the supervisor restarts it; the agents lose their state
-        healthy = ",".join(n for n in NODES if n != victim)
-        wait_for(
-            lambda: f"agent step 2 on {healthy}" in job.output(),
-            180,
-            f"an agent step relaunched on {healthy}\n{job.output()[-3000:]}",
-        )
-        wait_for(lambda: job.events("done"), 240, f"the end\n{job.output()[-3000:]}")
+        with StepOverlapWatch(cluster, job) as watch:
+            _, victim = kill_an_active_node(cluster, job, killed)
+            assert victim in cluster.client.job(job.job_id).nodes, "the job shrank already"
+            store = _store_server_pid(free_port)
+            os.kill(store, signal.SIGKILL)  # the supervisor restarts it; agents lose their state
+            healthy = ",".join(n for n in NODES if n != victim)
+            wait_for(
+                lambda: f"agent step 2 on {healthy}" in job.output(),
+                180,
+                f"an agent step relaunched on {healthy}\n{job.output()[-3000:]}",
+            )
+            wait_for(lambda: job.events("done"), 240, f"the end\n{job.output()[-3000:]}")
+        assert "Requested nodes are busy" not in job.output()
+        assert watch.samples > 10 and not watch.overlaps, watch.overlaps[:5]
         assert job.events("resumed")
         assert_replays_match(job)
     finally:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -20,7 +22,8 @@ from slurmft.agent.batch import (
     usable_nodes,
     write_step_outcome,
 )
-from slurmft.slurm.api import NodeInfo
+from slurmft.agent.batch_step import BatchStep
+from slurmft.slurm.api import NodeInfo, SignalTarget
 from slurmft.slurm.commands import submit_argv
 from slurmft.slurm.states import parse_node_state
 
@@ -44,8 +47,9 @@ def test_job_script_matches_the_golden_file() -> None:
 
 
 def test_sbatch_line_asks_for_n_plus_s_no_kill_requeue_and_usr1_before_the_limit() -> None:
-    argv = submit_argv(submit_request(SPEC, job_name="slurmft-demo", time_limit="2:00:00",
-                                      save_lead_s=300))
+    argv = submit_argv(
+        submit_request(SPEC, job_name="slurmft-demo", time_limit="2:00:00", save_lead_s=300)
+    )
     assert "--nodes=4" in argv and "--no-kill" in argv and "--requeue" in argv
     assert "--signal=B:USR1@300" in argv and "--time=2:00:00" in argv
 
@@ -53,12 +57,30 @@ def test_sbatch_line_asks_for_n_plus_s_no_kill_requeue_and_usr1_before_the_limit
 def test_agent_step_srun_line() -> None:
     argv = srun_argv(["n1", "n2", "n3", "n5"], SPEC.agent_argv("10.0.0.1"))
     assert argv == [
-        "srun", "--no-kill", "--kill-on-bad-exit=0", "--nodes=4", "--ntasks=4",
-        "--ntasks-per-node=1", "--nodelist=n[1-3,5]", "--immediate=60",
-        "/opt/slurmft/bin/slurmft", "agent", "run", "--nodes=3", "--nproc-per-node=1",
-        "--rdzv-endpoint=10.0.0.1:29400", "--run-id=r0a1b2c3",
+        "srun",
+        "--no-kill",
+        "--kill-on-bad-exit=0",
+        "--overlap",
+        "--nodes=4",
+        "--ntasks=4",
+        "--ntasks-per-node=1",
+        "--nodelist=n[1-3,5]",
+        "--immediate=60",
+        "/opt/slurmft/bin/slurmft",
+        "agent",
+        "run",
+        "--nodes=3",
+        "--nproc-per-node=1",
+        "--rdzv-endpoint=10.0.0.1:29400",
+        "--run-id=r0a1b2c3",
         "--token-file=/home/u/.slurmft/r0a1b2c3.token",
-        "--", "-m", "pkg.train", "--lr", "0.1", "--name", "it's $(rm -rf ~)",
+        "--",
+        "-m",
+        "pkg.train",
+        "--lr",
+        "0.1",
+        "--name",
+        "it's $(rm -rf ~)",
     ]
 
 
@@ -67,9 +89,17 @@ def node(name: str, state: str) -> NodeInfo:
 
 
 def test_usable_nodes_leave_out_lost_draining_and_cordoned() -> None:
-    info = {n.name: n for n in [node("n1", "ALLOCATED"), node("n2", "DOWN*"),
-                                node("n3", "MIXED+DRAIN"), node("n4", "ALLOCATED*"),
-                                node("n5", "ALLOCATED"), node("n6", "ALLOCATED")]}
+    info = {
+        n.name: n
+        for n in [
+            node("n1", "ALLOCATED"),
+            node("n2", "DOWN*"),
+            node("n3", "MIXED+DRAIN"),
+            node("n4", "ALLOCATED*"),
+            node("n5", "ALLOCATED"),
+            node("n6", "ALLOCATED"),
+        ]
+    }
     nodes = ["n1", "n2", "n3", "n4", "n5", "n6", "n7"]
     assert usable_nodes(nodes, info, cordoned=["n6"]) == ["n1", "n5"]
 
@@ -87,11 +117,16 @@ def test_usable_nodes_leave_out_lost_draining_and_cordoned() -> None:
     ],
 )
 def test_after_step(  # noqa: PLR0917 (one parameter per table column)
-    returncode: int, usable: list[str], checkpoint: str,
-    no_progress_before: int, move: Move, no_progress_after: int,
+    returncode: int,
+    usable: list[str],
+    checkpoint: str,
+    no_progress_before: int,
+    move: Move,
+    no_progress_after: int,
 ) -> None:
-    state = BudgetState(restarts_without_progress=no_progress_before,
-                        last_checkpoint="step-000000005")
+    state = BudgetState(
+        restarts_without_progress=no_progress_before, last_checkpoint="step-000000005"
+    )
     decision = after_step(returncode, usable, SPEC, state, checkpoint)
     assert decision.move is move, decision.reason
     assert state.restarts_without_progress == no_progress_after
@@ -101,8 +136,13 @@ def test_after_step(  # noqa: PLR0917 (one parameter per table column)
 
 def test_budget_survives_a_requeue_in_the_checkpoint_directory(tmp_path: Path) -> None:
     assert BudgetState.load(str(tmp_path)) == BudgetState()
-    state = BudgetState(restarts_without_progress=2, last_checkpoint="step-000000015",
-                        step_launches=3, requeues=1, history=["a"])
+    state = BudgetState(
+        restarts_without_progress=2,
+        last_checkpoint="step-000000015",
+        step_launches=3,
+        requeues=1,
+        history=["a"],
+    )
     state.save(str(tmp_path))
     assert BudgetState.load(str(tmp_path)) == state
     (tmp_path / "step-000000015").mkdir()
@@ -152,3 +192,37 @@ def test_a_stopped_or_failed_agent_cordons_nothing_and_finishes_nothing(tmp_path
     assert StepOutcomes.read(str(tmp_path / "absent")).by_node == {}
     decision = after_step(1, ["n1", "n2", "n4"], SPEC, BudgetState(), "", outcomes)
     assert decision.move is Move.RELAUNCH and decision.nodes == ("n1", "n2", "n4")
+
+
+class SignalRecorder:
+    """The one SlurmClient call `BatchStep._stop` makes."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, SignalTarget]] = []
+
+    def signal(self, job_id: str, signal: str, target: SignalTarget) -> None:
+        self.sent.append((signal, target))
+
+
+@pytest.mark.parametrize(
+    ("srun", "sent"),
+    [
+        (["true"], [("TERM", SignalTarget.STEPS)]),
+        # srun outlives the grace period: it is killed, and so is every agent of its step, since
+        # the next step shares their CPUs (srun --overlap) and must not start beside them.
+        (["sleep", "60"], [("TERM", SignalTarget.STEPS), ("KILL", SignalTarget.STEPS)]),
+    ],
+)
+def test_a_stopped_agent_step_leaves_no_agent_behind(
+    tmp_path: Path, srun: list[str], sent: list[tuple[str, SignalTarget]]
+) -> None:
+    client = SignalRecorder()
+    spec = dataclasses.replace(SPEC, ckpt_dir=str(tmp_path))
+    batch = BatchStep(spec, client, "7", "127.0.0.1", stop_grace_s=0.5)  # type: ignore[arg-type]
+    step = subprocess.Popen(srun)
+    try:
+        batch._stop(step)
+    finally:
+        step.kill()
+        step.wait()
+    assert client.sent == sent
