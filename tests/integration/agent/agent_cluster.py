@@ -39,14 +39,19 @@ def clean_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-def wait_for(check: Callable[[], Any], timeout_s: float, what: str, poll_s: float = 0.1) -> Any:
+def wait_for(
+    check: Callable[[], Any], timeout_s: float, what: str | Callable[[], str], poll_s: float = 0.1
+) -> Any:
+    """`what` may be a callable: then it describes the state at the timeout (logs as they are
+    then), not at the call."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         value = check()
         if value:
             return value
         time.sleep(poll_s)
-    raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+    described = what() if callable(what) else what
+    raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {described}")
 
 
 @dataclass
@@ -98,7 +103,8 @@ class AgentCluster:
         for setting in self.settings:
             argv += ["--set", setting]
         argv += [
-            "agent", "run",
+            "agent",
+            "run",
             f"--nodes={self.nodes}",
             f"--nproc-per-node={self.nproc_per_node}",
             f"--rdzv-endpoint={self.store.endpoint}",
@@ -106,14 +112,23 @@ class AgentCluster:
             f"--node-index={index}",
             f"--node-name=n{index}",
             f"--work-dir={work_dir}",
-            "--", "-m", TINY,
-            "--ckpt-dir", str(self.root / "ckpt"),
-            "--out-dir", str(self.out_dir),
+            "--",
+            "-m",
+            TINY,
+            "--ckpt-dir",
+            str(self.root / "ckpt"),
+            "--out-dir",
+            str(self.out_dir),
             *self.script_args,
         ]
         with log_path.open("wb") as log:
-            process = subprocess.Popen(argv, env=clean_env(self.env), stdout=log,
-                                       stderr=subprocess.STDOUT, start_new_session=True)
+            process = subprocess.Popen(
+                argv,
+                env=clean_env(self.env),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         agent = Agent(index, process, log_path, work_dir)
         self.agents.append(agent)
         return agent
@@ -141,11 +156,16 @@ class AgentCluster:
         return [e for e in found if name is None or e["event"] == name]
 
     def wait_for_step(self, step: int, timeout_s: float) -> None:
-        wait_for(lambda: any(r["step"] >= step for r in self.records()), timeout_s,
-                 f"step {step}\n{self.logs_tail()}")
+        wait_for(
+            lambda: any(r["step"] >= step for r in self.records()),
+            timeout_s,
+            lambda: f"step {step}\n{self.logs_tail()}",
+        )
 
     def wait_done(self, timeout_s: float) -> None:
-        wait_for(lambda: self.events("done"), timeout_s, f"the run to finish\n{self.logs_tail()}")
+        wait_for(
+            lambda: self.events("done"), timeout_s, lambda: f"the run to finish\n{self.logs_tail()}"
+        )
 
     def healthy_worker_stops(self) -> int:
         """How often torchrun stopped live workers to re-rendezvous, over all agents (torch 2.13

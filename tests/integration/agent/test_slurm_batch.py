@@ -264,7 +264,7 @@ def kill_an_active_node(cluster: Cluster, job: Job, killed: list[str]) -> tuple[
     wait_for(
         lambda: any(r["step"] >= 12 for r in job.records()),
         180,
-        f"training under Slurm\n{job.output()[-3000:]}",
+        lambda: f"training under Slurm\n{job.output()[-3000:]}",
     )
     (step,) = steps_of(cluster, job)
     active = [n for n in NODES if workers_on(cluster, step, n)]
@@ -275,7 +275,7 @@ def kill_an_active_node(cluster: Cluster, job: Job, killed: list[str]) -> tuple[
     wait_for(
         lambda: workers_on(cluster, step, spare),
         180,
-        f"the spare {spare} to train\n{job.output()[-3000:]}",
+        lambda: f"the spare {spare} to train\n{job.output()[-3000:]}",
     )
     return step, victim
 
@@ -291,7 +291,7 @@ def node_kill_inside_the_same_step(cluster: Cluster, job: Job, steps: int) -> No
             "Slurm to mark the node DOWN and shrink the job",
         )
         assert not job.events("done"), "training ended before the DOWN: make it longer"
-        wait_for(lambda: job.events("done"), 240, f"the end\n{job.output()[-3000:]}")
+        wait_for(lambda: job.events("done"), 240, lambda: f"the end\n{job.output()[-3000:]}")
         assert steps_of(cluster, job) in ([step], [])  # survivors were not killed by the DOWN
         assert "agent step 2" not in job.output()
         assert_replays_match(job, steps)
@@ -321,9 +321,9 @@ def test_no_spare_left_a_dead_store_relaunches_on_the_healthy_nodes(
             wait_for(
                 lambda: f"agent step 2 on {healthy}" in job.output(),
                 180,
-                f"an agent step relaunched on {healthy}\n{job.output()[-3000:]}",
+                lambda: f"an agent step relaunched on {healthy}\n{job.output()[-3000:]}",
             )
-            wait_for(lambda: job.events("done"), 240, f"the end\n{job.output()[-3000:]}")
+            wait_for(lambda: job.events("done"), 240, lambda: f"the end\n{job.output()[-3000:]}")
         assert "Requested nodes are busy" not in job.output()
         assert watch.samples > 10 and not watch.overlaps, watch.overlaps[:5]
         assert job.events("resumed")
@@ -395,12 +395,12 @@ def test_time_limit_signal_saves_requeues_and_resumes(
     )
     try:
         assert cluster.client.job(job.job_id).raw["UserId"].startswith(test_users.alice.name)
-        wait_for(job.records, 150, f"training under Slurm\n{job.output()[-3000:]}")
+        wait_for(job.records, 150, lambda: f"training under Slurm\n{job.output()[-3000:]}")
         started = _start_time(cluster, job)
         wait_for(
             lambda: cluster.client.job(job.job_id).restarts >= 1,
             TIME_LIMIT_MIN * 60 + 90,
-            f"the requeue after Slurm's USR1\n{job.output()[-3000:]}",
+            lambda: f"the requeue after Slurm's USR1\n{job.output()[-3000:]}",
         )
         # The next attempt gets the time for the rest: one time limit is what this test is about.
         _set_time_limit(cluster, job, minutes=15)
@@ -408,7 +408,7 @@ def test_time_limit_signal_saves_requeues_and_resumes(
         # The save on USR1: the requested one, or an interval save that came first.
         last = max(job.events("saved"), key=lambda e: e["step"])
         assert last["time"] - started < TIME_LIMIT_MIN * 60  # before Slurm's limit
-        wait_for(lambda: job.events("done"), 420, f"the end\n{job.output()[-3000:]}")
+        wait_for(lambda: job.events("done"), 420, lambda: f"the end\n{job.output()[-3000:]}")
         (resumed,) = job.events("resumed")
         assert resumed["step"] == last["step"] < LONG_STEPS
         budget = _budget(alice_dir)
