@@ -7,6 +7,7 @@ does not answer raises SlurmUnreachable and is never reported as a missing or fa
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 from slurmft.slurm import commands, parse
@@ -15,12 +16,16 @@ from slurmft.slurm.api import (
     NodeInfo,
     SignalTarget,
     SlurmBadRequest,
+    SlurmError,
     SlurmJobNotFound,
+    SlurmPermissionDenied,
     SubmitRequest,
 )
 from slurmft.slurm.failures import classify_failure
 from slurmft.slurm.runner import DEFAULT_TIMEOUT_S, CommandResult, Runner, SubprocessRunner
 from slurmft.slurm.version import SlurmVersion, parse_version
+
+log = logging.getLogger(__name__)
 
 
 class CliSlurmClient:
@@ -99,17 +104,43 @@ class CliSlurmClient:
 
     def requeue(self, job_id: str, exclude: Sequence[str] | None = None) -> None:
         if exclude is None:
-            self._run(commands.requeue_argv(job_id))
+            self._requeue_checked(job_id, hold=False)
             return
         # A requeued job may start again within seconds, and ExcNodeList can only be changed
         # while it waits: hold it, change the list, release it (measured on 22.05: the update is
         # accepted even while the held job is still COMPLETING). Always release, so a failed
         # update never leaves the job held forever.
-        self._run(commands.requeue_argv(job_id, hold=True))
+        self._requeue_checked(job_id, hold=True)
         try:
             self._run(commands.set_excluded_nodes_argv(job_id, exclude))
         finally:
             self._run(commands.release_argv(job_id))
+
+    def _requeue_checked(self, job_id: str, *, hold: bool) -> None:
+        """Requeue, and trust Slurm's job record over scontrol's answer: on a loaded slurmctld
+        scontrol can fail ("Unexpected message received", a timed-out RPC) after the requeue was
+        carried out. A failure counted as such would be retried later and requeue the job's next
+        run. So a failed requeue is checked against the job's restart count from before."""
+        before = self._restarts(job_id)
+        try:
+            self._run(commands.requeue_argv(job_id, hold=hold))
+        except (SlurmJobNotFound, SlurmPermissionDenied):
+            raise  # refused: nothing happened
+        except SlurmError as error:
+            after = self._restarts(job_id)
+            if before is None or after is None or after <= before:
+                raise
+            log.warning(
+                "scontrol reported %s for the requeue of job %s, but Slurm carried it out "
+                "(Restarts %d -> %d)", error, job_id, before, after
+            )  # fmt: skip
+
+    def _restarts(self, job_id: str) -> int | None:
+        """The job's requeue count; None when Slurm cannot say."""
+        try:
+            return self.job(job_id).restarts
+        except SlurmError:
+            return None
 
     def set_excluded_nodes(self, job_id: str, nodes: Sequence[str]) -> None:
         self._run(commands.set_excluded_nodes_argv(job_id, nodes))

@@ -16,6 +16,7 @@ from slurmft.slurm.api import (
     SubmitRequest,
 )
 from slurmft.slurm.cli_backend import CliSlurmClient
+from slurmft.slurm.runner import CommandResult
 from slurmft.slurm.script import render_batch_script
 from slurmft.slurm.states import JobState
 
@@ -98,7 +99,8 @@ def test_nodes(replay: Replay) -> None:
 
 def test_node_and_job_actions(replay: Replay) -> None:
     client, runner = replay(
-        "drain_idle", "drain_unknown_node", "requeue", "update_exclude_pending",
+        "drain_idle", "drain_unknown_node", "show_job_running", "requeue",
+        "update_exclude_pending",
         "update_exclude_running", "cancel",
     )  # fmt: skip
     client.drain("n6", 'it\'s "bad" $(touch /tmp/x); a|b rm -rf / Foo=bar `id`')
@@ -128,9 +130,37 @@ def test_permission_denied_is_typed() -> None:
 
 
 def test_requeue_with_excluded_nodes_holds_updates_and_releases(replay: Replay) -> None:
-    client, runner = replay("requeue_hold", "update_exclude_held", "release")
+    client, runner = replay("show_job_running", "requeue_hold", "update_exclude_held", "release")
     client.requeue(job_id_of(load_recording("requeue_hold")), exclude=["n2"])
-    assert [call[1] for call in runner.calls] == ["requeuehold", "update", "release"]
+    assert [call[1] for call in runner.calls] == ["--oneliner", "requeuehold", "update", "release"]
+
+
+class RequeueAnswersAnError(ReplayRunner):
+    """A loaded slurmctld: scontrol's requeue fails (the answer seen in the daemon's action rows
+    on the loaded test cluster) while the job record says whether it was carried out."""
+
+    def __init__(self, *, carried_out: bool) -> None:
+        super().__init__([])
+        self.show = ["show_job_running", "show_job_requeued" if carried_out else "show_job_running"]
+
+    def run(self, argv, timeout, *, stdin=None):  # type: ignore[no-untyped-def]
+        self.calls.append(tuple(argv))
+        if argv[1] == "requeue":
+            return CommandResult(tuple(argv), 1, "", "scontrol: Unexpected message received\n")
+        recording = load_recording(self.show.pop(0))
+        assert tuple(argv) == recording.argv
+        return recording
+
+
+def test_a_requeue_slurm_carried_out_is_done_though_scontrol_failed() -> None:
+    runner = RequeueAnswersAnError(carried_out=True)
+    CliSlurmClient(runner).requeue("14")  # Restarts 0 -> 1: done, not retried later
+    assert [call[1] for call in runner.calls] == ["--oneliner", "requeue", "--oneliner"]
+
+
+def test_a_requeue_that_did_not_happen_still_fails() -> None:
+    with pytest.raises(SlurmBadRequest, match="Unexpected message"):
+        CliSlurmClient(RequeueAnswersAnError(carried_out=False)).requeue("14")
 
 
 def test_requeue_releases_the_job_even_when_the_update_fails() -> None:
