@@ -19,10 +19,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from sqlalchemy import bindparam, insert, or_, select, update
+from sqlalchemy import bindparam, or_, select
 from sqlalchemy.orm import Session
 
-from slurmft.db.ingest import HeartbeatReport, RunReports, StepTimeReport, record_reports
+from slurmft.db.ingest import (
+    HeartbeatReport,
+    RunReports,
+    StepTimeReport,
+    record_agent_cursors,
+    record_reports,
+)
 from slurmft.db.models import (
     Action,
     ActionKind,
@@ -89,12 +95,6 @@ _AGENT_CURSORS = select(_CURSORS.c.run_id, _CURSORS.c.agent_id, _CURSORS.c.last_
     _CURSORS.c.agent_id.in_(bindparam("agents", expanding=True)),
 )
 _AGENTS_PER_READ = 500
-_NEW_CURSOR = insert(_CURSORS)
-_MOVE_CURSOR = (
-    update(_CURSORS)
-    .where(_CURSORS.c.run_id == bindparam("run"), _CURSORS.c.agent_id == bindparam("agent"))
-    .values(last_seq=bindparam("seq"), updated_at=bindparam("at"))
-)
 # Nodes kept out of every run, or out of one of these runs (records.denied_nodes).
 _DENIED = (
     select(_DENYLIST.c.node, _DENYLIST.c.run_id, _DENYLIST.c.reason)
@@ -152,7 +152,6 @@ def ingest_batches(
     batches that arrive together as one group (controller.group_commit)."""
     runs = _run_states(session, {batch.run_id for batch, _ in posts})
     cursors = _agent_cursors(session, posts)
-    stored_cursors = set(cursors)
     accepted: list[AgentBatch | IngestRefused] = []
     fresh: list[tuple[_RunState, AgentBatch]] = []
     for batch, token in posts:
@@ -167,7 +166,7 @@ def ingest_batches(
             fresh.append((run, batch))
             cursors[batch.run_id, batch.agent_id] = batch.seq
     _store(session, fresh, now, sample_every)
-    _write_cursors(session, fresh, stored_cursors, now)
+    _write_cursors(session, fresh, now)
     commands = _commands(session, [b for b in accepted if isinstance(b, AgentBatch)], now)
     return [
         b
@@ -204,35 +203,15 @@ def _agent_cursors(
 
 
 def _write_cursors(
-    session: Session,
-    fresh: Sequence[tuple[_RunState, AgentBatch]],
-    stored: set[tuple[str, str]],
-    now: datetime,
+    session: Session, fresh: Sequence[tuple[_RunState, AgentBatch]], now: datetime
 ) -> None:
-    """Move every agent's cursor to its newest stored batch: insert the new, update the known."""
+    """Move every agent's cursor to its newest stored batch."""
     newest: dict[tuple[str, str], AgentBatch] = {}
     for _, batch in fresh:  # in order: an agent's later batch in the group wins
         newest[batch.run_id, batch.agent_id] = batch
-    new = [
-        {
-            "run_id": run_id,
-            "agent_id": agent_id,
-            "node": batch.node,
-            "last_seq": batch.seq,
-            "updated_at": now,
-        }
-        for (run_id, agent_id), batch in newest.items()
-        if (run_id, agent_id) not in stored
-    ]
-    moved = [
-        {"run": run_id, "agent": agent_id, "seq": batch.seq, "at": now}
-        for (run_id, agent_id), batch in newest.items()
-        if (run_id, agent_id) in stored
-    ]
-    if new:
-        session.execute(_NEW_CURSOR, new)
-    if moved:
-        session.execute(_MOVE_CURSOR, moved)
+    record_agent_cursors(
+        session, [(b.run_id, b.agent_id, b.node, b.seq) for b in newest.values()], now
+    )
 
 
 def _store(

@@ -16,9 +16,17 @@ from typing import Any
 
 from sqlalchemy import Insert, insert
 from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import Session
 
-from slurmft.db.models import RankHeartbeat, RankHeartbeatSample, StepTime, driver_time, utcnow
+from slurmft.db.models import (
+    AgentCursor,
+    RankHeartbeat,
+    RankHeartbeatSample,
+    StepTime,
+    driver_time,
+    utcnow,
+)
 
 _HEARTBEAT_UPDATED = (
     "attempt_id",
@@ -51,32 +59,58 @@ _LATEST_COLUMNS = ("run_id", "rank", *_HEARTBEAT_UPDATED)
 
 
 class _DriverExecutemany:
-    """A hot INSERT, compiled once per dialect, run by the driver's own executemany.
+    """A hot INSERT, compiled once per dialect, run below SQLAlchemy's parameter processing.
 
     SQLAlchemy's executemany processes every parameter of every row in Python, about 5 µs a row:
     a second of daemon CPU for the ~30,000 rows a 16,384-rank run reports in one poll interval.
     Here the rows come as tuples in ``columns`` order, already in the driver's form (timestamps
-    through models.driver_time), and go to the DBAPI cursor as they are."""
+    through models.driver_time). SQLite takes them through the driver's executemany. PostgreSQL
+    takes them by COPY (psycopg formats the rows in C; its executemany still costs Python per
+    row): straight into the table, or for an upsert into a temporary table first, then one
+    `INSERT ... SELECT ... ON CONFLICT`."""
 
     def __init__(self, statement: Callable[[str], Insert], columns: tuple[str, ...]) -> None:
         self._statement = statement
         self.columns = columns
-        self._compiled: dict[str, tuple[str, bool]] = {}
+        self._sql: dict[str, str] = {}
 
     def execute(self, session: Session, rows: Sequence[tuple[Any, ...]]) -> None:
         connection = session.connection()
         dialect = connection.dialect
-        compiled = self._compiled.get(dialect.name)
-        if compiled is None:
-            statement = self._statement(dialect.name).compile(
-                dialect=dialect, column_keys=list(self.columns)
+        sql = self._sql.get(dialect.name)
+        if sql is None:
+            sql = self._sql[dialect.name] = self._compile(dialect)
+        if dialect.name != "postgresql":
+            connection.exec_driver_sql(sql, list(rows))  # type: ignore[arg-type]
+            return
+        table = self._statement(dialect.name).table.name  # type: ignore[attr-defined]
+        target = f"slurmft_incoming_{table}" if " ON CONFLICT " in sql else table
+        if target != table:  # per connection; emptied at commit, and below
+            connection.exec_driver_sql(
+                f"CREATE TEMPORARY TABLE IF NOT EXISTS {target} "
+                f"(LIKE {table} INCLUDING DEFAULTS) ON COMMIT DELETE ROWS"
             )
-            if statement.positional:  # the driver's order must be ours
-                assert tuple(statement.positiontup or ()) == self.columns, statement.positiontup
-            compiled = self._compiled[dialect.name] = (statement.string, statement.positional)
-        sql, positional = compiled
-        params = rows if positional else [dict(zip(self.columns, row, strict=True)) for row in rows]
-        connection.exec_driver_sql(sql, params)  # type: ignore[arg-type]
+        cursor = connection.connection.dbapi_connection.cursor()  # type: ignore[union-attr]
+        with cursor.copy(f"COPY {target} ({', '.join(self.columns)}) FROM STDIN") as copy:
+            for row in rows:
+                copy.write_row(row)
+        if target != table:
+            connection.exec_driver_sql(sql)
+            connection.exec_driver_sql(f"DELETE FROM {target}")
+
+    def _compile(self, dialect: Dialect) -> str:
+        statement = self._statement(dialect.name)
+        compiled = statement.compile(dialect=dialect, column_keys=list(self.columns))
+        if dialect.name != "postgresql":
+            assert compiled.positional, dialect.paramstyle  # rows are tuples in our order
+            assert tuple(compiled.positiontup or ()) == self.columns, compiled.positiontup
+            return compiled.string
+        head, values = compiled.string.split(" VALUES (", 1)
+        rest = values.split(") ON CONFLICT ", 1)
+        if len(rest) == 1:
+            return head  # plain INSERT: COPY into the table (the SQL itself is not run)
+        source = f"slurmft_incoming_{statement.table.name}"  # type: ignore[attr-defined]
+        return f"{head} SELECT {', '.join(self.columns)} FROM {source} ON CONFLICT {rest[1]}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,6 +173,32 @@ class RunReports:
 
 
 _LATEST_UPSERT = _DriverExecutemany(_heartbeat_upsert, _LATEST_COLUMNS)
+
+
+@functools.cache
+def _cursor_upsert(dialect: str) -> Insert:
+    table = AgentCursor.__table__
+    stmt = _dialect_insert(dialect, table)
+    return stmt.on_conflict_do_update(
+        index_elements=[table.c.run_id, table.c.agent_id],
+        set_={"last_seq": stmt.excluded.last_seq, "updated_at": stmt.excluded.updated_at},
+        where=stmt.excluded.last_seq > table.c.last_seq,  # a cursor never moves back
+    )
+
+
+_CURSOR_UPSERT = _DriverExecutemany(
+    _cursor_upsert, ("run_id", "agent_id", "node", "last_seq", "updated_at")
+)
+
+
+def record_agent_cursors(
+    session: Session, cursors: Sequence[tuple[str, str, str, int]], at: datetime
+) -> None:
+    """Move each agent's cursor, (run_id, agent_id, node, last_seq), forward to ``last_seq``
+    (created at the agent's first batch): one statement for every agent of a group commit."""
+    if cursors:
+        when = driver_time(session.get_bind().dialect.name)(at)
+        _CURSOR_UPSERT.execute(session, [(*cursor, when) for cursor in cursors])
 
 
 def record_reports(
