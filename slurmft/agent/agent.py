@@ -29,6 +29,8 @@ from slurmft.agent.exits import AgentExit
 from slurmft.agent.probe import NoGpuProbe, Probe
 from slurmft.agent.procs import is_alive, kill_tree
 from slurmft.agent.reporter import HttpTransport, Reporter, RetryableError
+from slurmft.agent.sightings import SightingLog
+from slurmft.controller.budget import Seen
 from slurmft.db.models import EventKind, FaultClass
 from slurmft.protocol import AgentEvent, Command, CommandKind, RankHeartbeat
 
@@ -56,6 +58,7 @@ class AgentSettings:
     stack_wait_s: float = 3.0
     gpu_poll_s: float = 5.0
     python: str = sys.executable
+    step_dir: str = ""  # the batch step's folder for this agent step (outcome, sightings)
 
     @property
     def socket_path(self) -> Path:
@@ -110,6 +113,8 @@ class NodeAgent:
                 interval_s=settings.report_interval_s,
                 max_buffered=settings.max_buffered,
             )
+        # What the batch step counts the restart budget from while the daemon is away.
+        self.sightings = SightingLog(settings.step_dir, settings.node)
         self._stop = threading.Event()
 
     # -- reports ---------------------------------------------------------------------------------
@@ -316,6 +321,8 @@ class NodeAgent:
                     # kill: forwarded, it would look alive while its peers went quiet.
                     continue
                 self._saw_heartbeat(record)
+            elif isinstance(record, AgentEvent):
+                self._saw_rank_event(record)
             if self.reporter is not None:
                 self.reporter.add(record)
 
@@ -326,12 +333,20 @@ class NodeAgent:
         if hb.restart_count not in self.state.restart_counts_seen:
             self.state.restart_counts_seen.add(hb.restart_count)  # once per node, not per rank
             if hb.restart_count:
+                self.sightings.record(Seen.RESTART)
                 self.event(
                     EventKind.RESTART,
                     f"workers restarted (restart {hb.restart_count})",
                     rank=hb.rank,
                     restart_count=hb.restart_count,
                 )
+
+    def _saw_rank_event(self, event: AgentEvent) -> None:
+        if event.kind == EventKind.COLLECTIVE_ERROR:
+            rank = event.rank if event.rank is not None else -1
+            self.sightings.record(Seen.FAILURE, rank=rank, at=event.occurred_at)
+        elif event.kind == EventKind.CHECKPOINT and isinstance(event.details.get("step"), int):
+            self.sightings.record(Seen.CHECKPOINT, step=event.details["step"], at=event.occurred_at)
 
     def _kill_hung_workers(self) -> None:
         alive = [
@@ -365,6 +380,7 @@ class NodeAgent:
             stack_files={str(d.rank): str(d.path) for d in dumps},
             stacks={str(d.rank): d.text[:EVENT_TEXT_LIMIT] for d in dumps},
         )
+        self.sightings.record(Seen.HANG)
         for worker in hung:
             self.state.killed_pids.add(worker.pid)
             with contextlib.suppress(ProcessLookupError, PermissionError):

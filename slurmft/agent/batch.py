@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 from enum import IntEnum
 from pathlib import Path
 
-from slurmft.controller.budget import Restart, RestartBudget
+from slurmft.controller.budget import Restart, RestartBudget, progress_label
 from slurmft.db.models import FaultClass
 from slurmft.slurm.api import NodeInfo, SubmitRequest
 from slurmft.slurm.hostlist import compress
@@ -217,9 +217,24 @@ class BudgetState:
     def load(cls, ckpt_dir: str) -> BudgetState:
         path = Path(ckpt_dir) / STATE_FILE
         try:
-            return cls(**json.loads(path.read_text()))
+            state = cls(**json.loads(path.read_text()))
         except FileNotFoundError:
             return cls()
+        # Older state files hold the directory's name; progress compares labels.
+        state.last_checkpoint = checkpoint_label(state.last_checkpoint)
+        return state
+
+    def charged(self, max_without_progress: int) -> RestartBudget:
+        """What this state has charged so far, as the daemon's budget."""
+        return RestartBudget(
+            max_without_progress=max_without_progress,
+            charged_in_a_row=self.restarts_without_progress,
+            last_progress=self.last_checkpoint or None,
+        )
+
+    def keep(self, budget: RestartBudget) -> None:
+        self.restarts_without_progress = budget.charged_in_a_row
+        self.last_checkpoint = budget.last_progress or ""
 
     def save(self, ckpt_dir: str) -> None:
         path = Path(ckpt_dir) / STATE_FILE
@@ -236,6 +251,19 @@ def newest_checkpoint(ckpt_dir: str) -> str:
     except FileNotFoundError:
         return ""
     return max(names, default="")
+
+
+def checkpoint_step(name: str) -> int | None:
+    """The step of a checkpoint directory named `step-<digits>`; None for any other name."""
+    digits = name.removeprefix("step-")
+    return int(digits) if name.startswith("step-") and digits.isdigit() else None
+
+
+def checkpoint_label(name: str) -> str:
+    """A checkpoint directory's name as the budget's progress: the label the agents' checkpoint
+    reports get (`step-000000010` -> `step 10`), so the two compare equal."""
+    step = checkpoint_step(name)
+    return name if step is None else progress_label(step)
 
 
 class Move(IntEnum):
@@ -272,13 +300,10 @@ def after_step(  # noqa: PLR0917 (the step's whole result)
             f"{', '.join(f'{n} {o.lower()}' for n, o in sorted(others.items())) or 'no outcome'})",
         )
     # The daemon's own rule (slurmft.controller.budget), so the two never disagree.
-    budget = RestartBudget(
-        max_without_progress=spec.max_restarts_without_progress,
-        charged_in_a_row=state.restarts_without_progress,
-        last_progress=state.last_checkpoint or None,
-    ).charge(Restart(FaultClass.UNKNOWN, progress=checkpoint or None))
-    state.restarts_without_progress = budget.charged_in_a_row
-    state.last_checkpoint = budget.last_progress or ""
+    budget = state.charged(spec.max_restarts_without_progress).charge(
+        Restart(FaultClass.UNKNOWN, progress=checkpoint or None)
+    )
+    state.keep(budget)
     if budget.exhausted:
         return Decision(Move.GIVE_UP, budget.stop_reason())
     if len(usable) < spec.nodes:

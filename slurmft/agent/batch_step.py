@@ -2,10 +2,14 @@
 relaunches it on the usable nodes, requeues the job, and keeps the restart budget.
 
 It works without the controller: the budget ("restarts in a row without a newer checkpoint")
-lives in the checkpoint directory, so it survives requeues. On USR1 (`--signal=B:USR1@T`, which
-reaches only this batch shell) it forwards USR1 to the agent step (srun passes it to every agent,
-each agent asks its ranks to save), waits for the newer checkpoint, and requeues its own job (an
-owner may requeue their job; no privilege needed). A time-limit requeue does not use the budget.
+lives in the checkpoint directory, so it survives requeues. It counts the agent steps that end,
+and, while a step runs, torchrun's in-place restarts from what the agents record in the step's
+folder (slurmft.agent.sightings), with the daemon's rule; a spent budget stops the step.
+
+On USR1 (`--signal=B:USR1@T`, which reaches only this batch shell) it forwards USR1 to the agent
+step (srun passes it to every agent, each agent asks its ranks to save), waits for the newer
+checkpoint, and requeues its own job (an owner may requeue their job; no privilege needed).
+A time-limit requeue does not use the budget.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import replace
+from datetime import UTC, datetime
 from pathlib import Path
 
 from slurmft.agent.batch import (
@@ -27,11 +32,15 @@ from slurmft.agent.batch import (
     Move,
     StepOutcomes,
     after_step,
+    checkpoint_label,
+    checkpoint_step,
     newest_checkpoint,
     srun_argv,
     usable_nodes,
 )
+from slurmft.agent.sightings import charge_step, read_step
 from slurmft.agent.store import StoreSupervisor
+from slurmft.controller.budget import RestartBudget, Seen, Sighting
 from slurmft.slurm.api import SignalTarget, SlurmClient, SlurmError
 
 log = logging.getLogger("slurmft.batch")
@@ -63,6 +72,12 @@ class BatchStep:
         self.save_requested = threading.Event()
         self.outcome_dir = ""  # the current agent step's (see batch.StepOutcomes)
         self.cordoned: set[str] = set()  # nodes whose agents left this job for good
+        # The current agent step's budget: charged before it, and what the batch step saw
+        # itself (nodes Slurm took away, checkpoints published), next to the agents' records.
+        self.step_before = self.state.charged(spec.max_restarts_without_progress)
+        self.step_seen: list[Sighting] = []
+        self.step_gone: set[str] = set()
+        self.checkpoint_seen = ""
 
     def _new_outcome_dir(self) -> str:
         path = Path(self.spec.ckpt_dir) / OUTCOME_ROOT / f"{self.job_id}.{self.state.step_launches}"
@@ -108,13 +123,16 @@ class BatchStep:
             returncode = self._run_step(nodes)
             if self.save_requested.is_set():
                 return self._save_and_requeue_done()
+            budget = self._charge_in_place_restarts()
+            if budget.exhausted:
+                return self._give_up(budget.stop_reason())
             outcomes = self._read_outcomes()
             decision = after_step(
                 returncode,
                 self.usable(),
                 self.spec,
                 self.state,
-                newest_checkpoint(self.spec.ckpt_dir),
+                checkpoint_label(newest_checkpoint(self.spec.ckpt_dir)),
                 outcomes,
             )
             self.state.history.append(decision.reason)
@@ -130,6 +148,8 @@ class BatchStep:
 
     def _run_step(self, nodes: Sequence[str]) -> int:
         self.outcome_dir = self._new_outcome_dir()
+        self.step_before = self.state.charged(self.spec.max_restarts_without_progress)
+        self.step_seen, self.step_gone = [], set()
         argv = srun_argv(nodes, self.spec.agent_argv(self.store_host, self.outcome_dir))
         step = subprocess.Popen(argv)
         next_check = time.monotonic() + self.poll_s
@@ -141,8 +161,51 @@ class BatchStep:
                 next_check = time.monotonic() + self.poll_s
                 if self._step_cannot_recover(nodes):
                     return self._stop(step)
+                if self._charge_in_place_restarts().exhausted:
+                    return self._stop(step)
             time.sleep(0.2)
         return int(step.returncode)
+
+    def _charge_in_place_restarts(self) -> RestartBudget:
+        """The budget after the current step's in-place restarts so far (kept in the state, so
+        it survives a requeue and the next step starts from it)."""
+        self._note_checkpoint()
+        budget = charge_step(self.step_before, [*read_step(self.outcome_dir), *self.step_seen])
+        if budget.charged_in_a_row != self.state.restarts_without_progress:
+            log.info(
+                "in-place restarts: %d in a row without a newer checkpoint (cap %d)",
+                budget.charged_in_a_row,
+                budget.max_without_progress,
+            )
+        if (budget.charged_in_a_row, budget.last_progress or "") != (
+            self.state.restarts_without_progress,
+            self.state.last_checkpoint,
+        ):
+            self.state.keep(budget)
+            self.state.save(self.spec.ckpt_dir)
+        return budget
+
+    def _note_checkpoint(self) -> None:
+        """A checkpoint published under the checkpoint directory is progress even where the
+        script reports none (a plain torchrun script)."""
+        name = newest_checkpoint(self.spec.ckpt_dir)
+        step = checkpoint_step(name)
+        if step is not None and name != self.checkpoint_seen:
+            self.checkpoint_seen = name
+            self.step_seen.append(Sighting(Seen.CHECKPOINT, datetime.now(UTC), step=step))
+
+    def _note_removed(self, nodes: Sequence[str], alive: set[str]) -> None:
+        """Nodes of the step that Slurm took away (or that were cordoned): as in the daemon, a
+        restart near their loss is free."""
+        for name in sorted(set(nodes) - alive - self.step_gone):
+            self.step_gone.add(name)
+            self.step_seen.append(Sighting(Seen.NODE_REMOVED, datetime.now(UTC)))
+
+    def _give_up(self, reason: str) -> BatchExit:
+        self.state.history.append(reason)
+        self.state.save(self.spec.ckpt_dir)
+        log.error("giving up: %s", reason)
+        return BatchExit.GIVE_UP
 
     def _step_cannot_recover(self, nodes: Sequence[str]) -> bool:
         """Fewer than N of the step's nodes left: the survivors would wait out the rendezvous
@@ -153,6 +216,7 @@ class BatchStep:
         except SlurmError as error:
             log.warning("Slurm unreachable (%s): keeping the agent step", error)
             return False
+        self._note_removed(nodes, alive)
         if len(alive) < self.spec.nodes:
             log.warning(
                 "only %d of the step's nodes left (%d needed): ending the step",

@@ -110,6 +110,7 @@ def run(  # noqa: PLR0917 (typer: one parameter per option)
         stop_grace_s=config["agent.stop_grace_s"],
         stack_wait_s=config["agent.stack_dump_wait_s"],
         gpu_poll_s=config["gpu.poll_interval_s"],
+        step_dir=outcome_dir,
     )
     gpu = GpuProbe.from_config(config, since_monotonic_s=time.monotonic())
     agent = NodeAgent(settings, probe=NodeGpuProbe(gpu))

@@ -173,16 +173,23 @@ def restart_groups(sightings: Sequence[Sighting], group_s: float = GROUP_S) -> l
     return [g.at for g in groups]
 
 
+def progress_label(step: int) -> str:
+    """How a checkpoint's step reads as the budget's progress (`RestartBudget.last_progress`)."""
+    return f"step {step}"
+
+
 def budget_from_history(
     sightings: Sequence[Sighting],
     max_without_progress: int,
     *,
     group_s: float = GROUP_S,
     cause_window_s: float = CAUSE_WINDOW_S,
+    start: RestartBudget | None = None,
 ) -> RestartBudget:
     """The run's budget after everything it went through, in time order: in-place restarts
     (cause: a node removed near it, a hang killed just before it, else the user's code), earlier
-    failed jobs (user code), and checkpoints as progress."""
+    failed jobs (user code), and checkpoints as progress. ``start``: what was charged before
+    these sightings (the batch step's count from earlier agent steps and requeues)."""
     window = timedelta(seconds=cause_window_s)
     removed = [s.at for s in sightings if s.kind is Seen.NODE_REMOVED]
     hangs = [s.at for s in sightings if s.kind is Seen.HANG]
@@ -197,9 +204,9 @@ def budget_from_history(
     failed_jobs = [s.at for s in sightings if s.kind is Seen.JOB_FAILED]
     restarts += [(at, FaultClass.USER_CODE, False) for at in failed_jobs]
     checkpoints = sorted((s.at, s.step) for s in sightings if s.kind is Seen.CHECKPOINT)
-    budget = RestartBudget(max_without_progress=max_without_progress)
+    budget = start or RestartBudget(max_without_progress=max_without_progress)
     for at, cause, node_removed in sorted(restarts, key=lambda r: r[0]):
         steps = [step for when, step in checkpoints if when <= at]
-        progress = f"step {max(steps)}" if steps else None
+        progress = progress_label(max(steps)) if steps else None
         budget = budget.charge(Restart(cause, node_removed=node_removed, progress=progress))
     return budget

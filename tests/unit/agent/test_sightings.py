@@ -1,0 +1,100 @@
+"""What the agents record for the batch step's budget, read back and charged with the daemon's
+rule: a torn last line, two nodes reporting one failure, nodes that left, earlier charges."""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+from slurmft.agent.batch import BudgetState, write_step_outcome
+from slurmft.agent.sightings import (
+    SightingLog,
+    charge_step,
+    parse_sightings,
+    read_step,
+    sightings_path,
+)
+from slurmft.controller.budget import RestartBudget, Seen, Sighting, budget_from_history
+
+T0 = 1_800_000_000.0
+
+
+def crash_round(log_by_node: dict[str, SightingLog], at: float) -> None:
+    """One crash of rank 1 (on n2): ranks 0 and 2 see it fail, every agent's workers restart."""
+    log_by_node["n1"].record(Seen.FAILURE, rank=0, at=at)
+    log_by_node["n3"].record(Seen.FAILURE, rank=2, at=at + 0.5)
+    for i, node in enumerate(("n1", "n2", "n3")):
+        log_by_node[node].record(Seen.RESTART, at=at + 5 + i)
+
+
+def logs(step_dir: Path) -> dict[str, SightingLog]:
+    return {node: SightingLog(str(step_dir), node) for node in ("n1", "n2", "n3")}
+
+
+def test_a_torn_last_line_and_foreign_lines_are_skipped() -> None:
+    whole = json.dumps({"kind": "failure", "at": T0, "rank": 2, "step": -1})
+    text = "\n".join([whole, "not json", '{"kind": "spaceship", "at": 1}', whole[:20]])
+    (seen,) = parse_sightings(text, "n3")
+    assert seen == Sighting(Seen.FAILURE, datetime.fromtimestamp(T0, UTC), agent="n3", rank=2)
+    assert parse_sightings(text + "\n", "n3") == [seen]  # the last line, once whole, is not
+
+
+def test_the_agents_files_of_one_failure_make_one_restart(tmp_path: Path) -> None:
+    by_node = logs(tmp_path)
+    crash_round(by_node, T0)
+    crash_round(by_node, T0 + 30)
+    by_node["n1"].record(Seen.CHECKPOINT, step=10, at=T0 - 5)
+    # The node that crashed died mid-write of its next line.
+    with sightings_path(str(tmp_path), "n2").open("a") as stream:
+        stream.write('{"kind": "restart", "at": ')
+    sightings = read_step(str(tmp_path))
+    assert len(sightings) == 2 * 5 + 1
+    budget = charge_step(RestartBudget(max_without_progress=5), sightings)
+    assert budget.charged_in_a_row == 2
+    assert budget.last_progress == "step 10"
+    assert budget.restarts_by_class == {"user_code": 2}
+    # The daemon's rule on the same sightings, not a second one.
+    assert budget == budget_from_history(sightings, 5)
+
+
+def test_charges_add_to_what_earlier_steps_charged(tmp_path: Path) -> None:
+    by_node = logs(tmp_path)
+    for i in range(2):
+        crash_round(by_node, T0 + 30 * i)
+    before = BudgetState(restarts_without_progress=4, last_checkpoint="step 10").charged(5)
+    after = charge_step(before, read_step(str(tmp_path)))
+    assert after.charged_in_a_row == 6 and after.exhausted
+    assert after.stop_reason().startswith("crash loop: 5 restarts in a row without progress")
+    # The same checkpoint reported again is not progress; a newer one is.
+    by_node["n1"].record(Seen.CHECKPOINT, step=10, at=T0 - 1)
+    assert charge_step(before, read_step(str(tmp_path))).charged_in_a_row == 6
+    by_node["n1"].record(Seen.CHECKPOINT, step=15, at=T0 + 20)
+    assert charge_step(before, read_step(str(tmp_path))).charged_in_a_row == 1
+
+
+def test_a_restart_near_an_agent_that_left_is_free(tmp_path: Path) -> None:
+    by_node = logs(tmp_path)
+    crash_round(by_node, datetime.now(UTC).timestamp())  # the outcome file's time is now
+    write_step_outcome(str(tmp_path), "n2", "LEFT_CORDONED", "leave: straggler")
+    write_step_outcome(str(tmp_path), "n4", "FAILED")  # ended, but nothing was taken away
+    sightings = read_step(str(tmp_path))
+    assert [s.kind for s in sightings].count(Seen.NODE_REMOVED) == 1
+    budget = charge_step(RestartBudget(max_without_progress=5), sightings)
+    assert budget.charged_in_a_row == 0 and budget.restarts_by_class == {"hardware": 1}
+
+
+def test_a_restart_long_after_a_node_loss_is_charged() -> None:
+    lost = datetime.fromtimestamp(T0, UTC)
+    sightings = [
+        Sighting(Seen.NODE_REMOVED, lost),
+        Sighting(Seen.FAILURE, lost + timedelta(seconds=5), agent="n1", rank=0),
+        Sighting(Seen.FAILURE, lost + timedelta(seconds=300), agent="n1", rank=0),
+    ]
+    budget = charge_step(RestartBudget(max_without_progress=5), sightings)
+    assert budget.charged_in_a_row == 1
+
+
+def test_without_a_step_folder_nothing_is_written_or_read(tmp_path: Path) -> None:
+    SightingLog("", "n1").record(Seen.RESTART)
+    assert read_step("") == [] and not list(tmp_path.iterdir())
