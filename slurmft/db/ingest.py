@@ -90,8 +90,10 @@ class _DriverExecutemany:
                 f"CREATE TEMPORARY TABLE IF NOT EXISTS {target} "
                 f"(LIKE {table} INCLUDING DEFAULTS) ON COMMIT DELETE ROWS"
             )
-        cursor = connection.connection.dbapi_connection.cursor()  # type: ignore[union-attr]
-        with cursor.copy(f"COPY {target} ({', '.join(self.columns)}) FROM STDIN") as copy:
+        dbapi = connection.connection.dbapi_connection
+        assert dbapi is not None
+        copy_sql = f"COPY {target} ({', '.join(self.columns)}) FROM STDIN"
+        with dbapi.cursor() as cursor, cursor.copy(copy_sql) as copy:  # type: ignore[attr-defined]
             for row in rows:
                 copy.write_row(row)
         if target != table:
