@@ -77,6 +77,7 @@ class BatchStep:
         self.step_before = self.state.charged(spec.max_restarts_without_progress)
         self.step_seen: list[Sighting] = []
         self.step_gone: set[str] = set()
+        self.step_stopped_at: datetime | None = None  # agents leave on the batch step's stop
         self.checkpoint_seen = ""
 
     def _new_outcome_dir(self) -> str:
@@ -149,7 +150,7 @@ class BatchStep:
     def _run_step(self, nodes: Sequence[str]) -> int:
         self.outcome_dir = self._new_outcome_dir()
         self.step_before = self.state.charged(self.spec.max_restarts_without_progress)
-        self.step_seen, self.step_gone = [], set()
+        self.step_seen, self.step_gone, self.step_stopped_at = [], set(), None
         argv = srun_argv(nodes, self.spec.agent_argv(self.store_host, self.outcome_dir))
         step = subprocess.Popen(argv)
         next_check = time.monotonic() + self.poll_s
@@ -170,7 +171,8 @@ class BatchStep:
         """The budget after the current step's in-place restarts so far (kept in the state, so
         it survives a requeue and the next step starts from it)."""
         self._note_checkpoint()
-        budget = charge_step(self.step_before, [*read_step(self.outcome_dir), *self.step_seen])
+        recorded = read_step(self.outcome_dir, left_before=self.step_stopped_at)
+        budget = charge_step(self.step_before, [*recorded, *self.step_seen])
         if budget.charged_in_a_row != self.state.restarts_without_progress:
             log.info(
                 "in-place restarts: %d in a row without a newer checkpoint (cap %d)",
@@ -230,6 +232,7 @@ class BatchStep:
         """SIGTERM to the agents themselves (`scancel --signal=TERM`, steps only), so each stops
         its workers. Not to srun: srun answers SIGTERM by aborting the step, which SIGKILLs the
         agents and leaves their workers running on (measured on 22.05)."""
+        self.step_stopped_at = datetime.now(UTC)
         try:
             self.client.signal(self.job_id, "TERM", SignalTarget.STEPS)
         except SlurmError as error:

@@ -77,8 +77,10 @@ def parse_sightings(text: str, agent: str) -> list[Sighting]:
     return found
 
 
-def departures(step_dir: str) -> list[Sighting]:
-    """Agents that left the step (their node taken out of the run), when they wrote so."""
+def departures(step_dir: str, left_before: datetime | None = None) -> list[Sighting]:
+    """Agents that left the step (their node taken out of the run), when they wrote so; with
+    ``left_before``, only those that left before then (after it, the batch step stopped them
+    all: their leaving caused nothing)."""
     found = []
     for path in Path(step_dir).glob("*.json"):
         try:
@@ -87,16 +89,17 @@ def departures(step_dir: str) -> list[Sighting]:
             at = datetime.fromtimestamp(path.stat().st_mtime, UTC)
         except (OSError, ValueError, KeyError, TypeError):
             continue  # a foreign or half-replaced file says nothing
-        if left:
+        if left and (left_before is None or at < left_before):
             found.append(Sighting(Seen.NODE_REMOVED, at))
     return found
 
 
-def read_step(step_dir: str) -> list[Sighting]:
-    """Everything the agents of one step recorded, and the agents that left it."""
+def read_step(step_dir: str, left_before: datetime | None = None) -> list[Sighting]:
+    """Everything the agents of one step recorded, and the agents that left it (before
+    ``left_before``, see `departures`)."""
     if not step_dir:
         return []
-    found = departures(step_dir)
+    found = departures(step_dir, left_before)
     for path in sorted(Path(step_dir).glob(f"*{SIGHTINGS_SUFFIX}")):
         try:
             text = path.read_text(errors="replace")

@@ -3,11 +3,15 @@ rule: a torn last line, two nodes reporting one failure, nodes that left, earlie
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
-from slurmft.agent.batch import BudgetState, write_step_outcome
+from slurmft.agent.agent import AgentSettings, NodeAgent
+from slurmft.agent.batch import BatchSpec, BudgetState, write_step_outcome
+from slurmft.agent.batch_step import BatchStep
+from slurmft.agent.command import TorchrunSpec
 from slurmft.agent.sightings import (
     SightingLog,
     charge_step,
@@ -16,8 +20,11 @@ from slurmft.agent.sightings import (
     sightings_path,
 )
 from slurmft.controller.budget import RestartBudget, Seen, Sighting, budget_from_history
+from slurmft.db.models import EventKind
+from slurmft.protocol import AgentEvent, RankHeartbeat
 
 T0 = 1_800_000_000.0
+SPEC = BatchSpec(run_id="r", nodes=3, spares=1, script=("x.py",), ckpt_dir="")
 
 
 def crash_round(log_by_node: dict[str, SightingLog], at: float) -> None:
@@ -82,6 +89,28 @@ def test_a_restart_near_an_agent_that_left_is_free(tmp_path: Path) -> None:
     assert [s.kind for s in sightings].count(Seen.NODE_REMOVED) == 1
     budget = charge_step(RestartBudget(max_without_progress=5), sightings)
     assert budget.charged_in_a_row == 0 and budget.restarts_by_class == {"hardware": 1}
+    # Left after the batch step stopped the step: the leaving caused nothing.
+    stopped = datetime.now(UTC) - timedelta(seconds=10)
+    assert Seen.NODE_REMOVED not in {s.kind for s in read_step(str(tmp_path), stopped)}
+
+
+def test_a_spent_budget_stays_spent_when_the_stopped_agents_leave(tmp_path: Path) -> None:
+    """The batch step stops the step at the cap; every agent then writes LEFT. Read as node
+    losses, they would make the crashes just before them free and relaunch a crash loop."""
+    spec = dataclasses.replace(SPEC, ckpt_dir=str(tmp_path), max_restarts_without_progress=1)
+    batch = BatchStep(spec, client=None, job_id="7", store_host="127.0.0.1")  # type: ignore[arg-type]
+    batch.outcome_dir = str(tmp_path / ".slurmft" / "steps" / "7.1")
+    now = datetime.now(UTC).timestamp()
+    by_node = logs(Path(batch.outcome_dir))
+    crash_round(by_node, now - 40)
+    crash_round(by_node, now - 20)
+    assert batch._charge_in_place_restarts().exhausted
+    batch.step_stopped_at = datetime.now(UTC)  # what _stop notes before it signals the agents
+    for node in ("n1", "n2", "n3"):
+        write_step_outcome(batch.outcome_dir, node, "LEFT", "SIGTERM")
+    budget = batch._charge_in_place_restarts()
+    assert budget.exhausted and budget.charged_in_a_row == 2
+    assert BudgetState.load(str(tmp_path)).restarts_without_progress == 2
 
 
 def test_a_restart_long_after_a_node_loss_is_charged() -> None:
@@ -98,3 +127,42 @@ def test_a_restart_long_after_a_node_loss_is_charged() -> None:
 def test_without_a_step_folder_nothing_is_written_or_read(tmp_path: Path) -> None:
     SightingLog("", "n1").record(Seen.RESTART)
     assert read_step("") == [] and not list(tmp_path.iterdir())
+
+
+class Channel:
+    def __init__(self, *records: RankHeartbeat | AgentEvent) -> None:
+        self.records = list(records)
+
+    def drain(self) -> list[RankHeartbeat | AgentEvent]:
+        records, self.records = self.records, []
+        return records
+
+
+def test_the_agent_records_restarts_collective_errors_and_checkpoints(tmp_path: Path) -> None:
+    spec = TorchrunSpec(
+        nodes=1, nproc_per_node=2, rdzv_endpoint="127.0.0.1:1", rdzv_id="r", script=("x.py",)
+    )
+    step_dir = tmp_path / "steps" / "7.1"
+    settings = AgentSettings(
+        spec=spec, node="n2", run_id="r", work_dir=tmp_path / "w", step_dir=str(step_dir)
+    )
+    agent = NodeAgent(settings)
+
+    def beat(local_rank: int, restart_count: int) -> RankHeartbeat:
+        rank = 2 + local_rank
+        return RankHeartbeat(rank, local_rank, "step", 1, 0.1, 300.0, False, T0, restart_count)
+
+    def event(kind: EventKind, rank: int, **details: object) -> AgentEvent:
+        return AgentEvent(kind=kind, occurred_at=T0, rank=rank, details=dict(details))
+
+    first = [beat(0, 0), beat(1, 0)]  # the first workers: no restart
+    saved = event(EventKind.CHECKPOINT, 0, step=5)
+    failed = event(EventKind.COLLECTIVE_ERROR, 3, error="peer closed")
+    restarted = [beat(0, 1), beat(1, 1)]
+    agent._take_reports(Channel(*first, saved, failed, *restarted))  # type: ignore[arg-type]
+    seen = read_step(str(step_dir))
+    assert [(s.kind, s.agent, s.rank, s.step) for s in seen] == [
+        (Seen.CHECKPOINT, "n2", -1, 5),
+        (Seen.FAILURE, "n2", 3, -1),
+        (Seen.RESTART, "n2", -1, -1),  # once for the node, not once per local rank
+    ]
