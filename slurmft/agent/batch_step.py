@@ -78,6 +78,7 @@ class BatchStep:
         self.step_seen: list[Sighting] = []
         self.step_gone: set[str] = set()
         self.step_stopped_at: datetime | None = None  # agents leave on the batch step's stop
+        self.step_spent: RestartBudget | None = None  # the budget that stopped the step
         self.checkpoint_seen = ""
 
     def _new_outcome_dir(self) -> str:
@@ -124,7 +125,9 @@ class BatchStep:
             returncode = self._run_step(nodes)
             if self.save_requested.is_set():
                 return self._save_and_requeue_done()
-            budget = self._charge_in_place_restarts()
+            # Stopped at the cap: give up with the count that reached it (the failures of the
+            # stop itself are not the run's); else charge what the step went through.
+            budget = self.step_spent or self._charge_in_place_restarts()
             if budget.exhausted:
                 return self._give_up(budget.stop_reason())
             outcomes = self._read_outcomes()
@@ -151,6 +154,7 @@ class BatchStep:
         self.outcome_dir = self._new_outcome_dir()
         self.step_before = self.state.charged(self.spec.max_restarts_without_progress)
         self.step_seen, self.step_gone, self.step_stopped_at = [], set(), None
+        self.step_spent = None
         argv = srun_argv(nodes, self.spec.agent_argv(self.store_host, self.outcome_dir))
         step = subprocess.Popen(argv)
         next_check = time.monotonic() + self.poll_s
@@ -162,7 +166,9 @@ class BatchStep:
                 next_check = time.monotonic() + self.poll_s
                 if self._step_cannot_recover(nodes):
                     return self._stop(step)
-                if self._charge_in_place_restarts().exhausted:
+                budget = self._charge_in_place_restarts()
+                if budget.exhausted:
+                    self.step_spent = budget
                     return self._stop(step)
             time.sleep(0.2)
         return int(step.returncode)

@@ -4,11 +4,14 @@ A node kill: the spare takes over inside the same Slurm step (the step id does n
 the surviving agents live on when Slurm marks the dead node DOWN (srun --no-kill). A dead
 rendezvous store: every agent exits, the batch step relaunches the agent step on the healthy
 nodes, and training resumes from the last checkpoint. A time limit: Slurm's USR1 before it leads
-to a coordinated save, a requeue by the job itself and an exact resume.
+to a coordinated save, a requeue by the job itself and an exact resume. A script that always
+crashes, with no daemon: torchrun restarts it in place inside one agent step, and the batch step
+stops it at the restart budget's cap from what the agents recorded.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -20,6 +23,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -29,7 +33,10 @@ from agent_cluster import wait_for
 from slurm_clusters import CLUSTER_SCRIPT, own_cluster
 from unix_users import TestUsers, UnixUser
 
-from slurmft.agent.batch import BatchSpec, submit_request
+from slurmft.agent.batch import BatchExit, BatchSpec, submit_request
+from slurmft.agent.sightings import read_step
+from slurmft.controller.budget import Seen
+from slurmft.slurm.api import JobInfo, SlurmError
 from slurmft.slurm.cli_backend import CliSlurmClient
 
 pytestmark = [pytest.mark.slurm, pytest.mark.torch]
@@ -111,6 +118,7 @@ def submit(
     time_limit: str | None = None,
     save_lead_s: int = 300,
     as_user: UnixUser | None = None,
+    max_restarts_without_progress: int = 5,
 ) -> Job:
     """The batch script of a 3 + 1 run of the example, submitted as root or as ``as_user`` (then
     it runs as them: ``workdir`` must be theirs)."""
@@ -132,6 +140,7 @@ def submit(
         ckpt_dir=ckpt,
         store_port=port,
         slurmft=SLURMFT if as_user is None else as_user.slurmft,
+        max_restarts_without_progress=max_restarts_without_progress,
     )
     request = dataclasses.replace(
         submit_request(
@@ -295,6 +304,10 @@ def node_kill_inside_the_same_step(cluster: Cluster, job: Job, steps: int) -> No
         assert steps_of(cluster, job) in ([step], [])  # survivors were not killed by the DOWN
         assert "agent step 2" not in job.output()
         assert_replays_match(job, steps)
+        # The agents recorded the restart, and it was free: its node was taken away.
+        seen = {s.kind for s in read_step(str(_step_dir(job, 1)))}
+        assert {Seen.FAILURE, Seen.RESTART} <= seen, seen
+        assert _budget(job.workdir)["restarts_without_progress"] == 0
     finally:
         cluster.client.cancel(job.job_id)
         for node in killed:
@@ -332,6 +345,44 @@ def test_no_spare_left_a_dead_store_relaunches_on_the_healthy_nodes(
         cluster.client.cancel(job.job_id)
         for node in killed:
             cluster.run("revive", node)
+
+
+CRASH_CAP = 3  # the restart budget, lowered from 5 to keep the test short
+
+
+def test_a_script_that_always_crashes_stops_at_the_cap_without_the_daemon(
+    cluster: Cluster, tmp_path: Path, free_port: int
+) -> None:
+    """Rank 1 dies at step 2 in every attempt, before any checkpoint; torchrun restarts the
+    workers in place each time, so the agent step never ends. With no daemon, the batch step
+    counts the failures from the agents' records and, at the failure after the cap, stops the
+    step and exits with "give up" and the daemon's wording."""
+    started = time.monotonic()
+    args = [*TINY_ARGS, "--crash-at-step", "2@*", "--fault-rank", "1"]
+    job = submit(cluster, tmp_path, free_port, args, max_restarts_without_progress=CRASH_CAP)
+    try:
+        ended: JobInfo = wait_for(
+            lambda: (info := cluster.client.job(job.job_id)).state.is_ended and info,
+            360,
+            lambda: f"the batch step to give up\n{job.output()[-3000:]}",
+        )
+        print(f"\ncrash loop stopped after {time.monotonic() - started:.0f} s")
+        output = job.output()
+        assert ended.exit_code.split(":")[0] == str(int(BatchExit.GIVE_UP)), (ended, output[-3000:])
+        assert f"crash loop: {CRASH_CAP} restarts in a row without progress" in output, output
+        assert f"the cap is {CRASH_CAP} (policy.max_restarts_without_progress)" in output
+        assert "agent step 2" not in output  # stopped inside the one agent step
+        starts = job.events("fresh_start")
+        assert len(starts) == CRASH_CAP + 1, starts  # never a checkpoint: from scratch each time
+        assert max(r["step"] for r in job.records()) == 2
+        assert _budget(tmp_path)["restarts_without_progress"] == CRASH_CAP + 1
+    finally:
+        with contextlib.suppress(SlurmError):  # ended already, unless the test failed early
+            cluster.client.cancel(job.job_id)
+
+
+def _step_dir(job: Job, launch: int) -> Path:
+    return job.workdir / "ckpt" / ".slurmft" / "steps" / f"{job.job_id}.{launch}"
 
 
 def _store_server_pid(port: int) -> int:
