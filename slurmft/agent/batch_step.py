@@ -46,6 +46,10 @@ from slurmft.slurm.api import SignalTarget, SlurmClient, SlurmError
 log = logging.getLogger("slurmft.batch")
 
 OUTCOME_ROOT = ".slurmft/steps"  # under the checkpoint directory: one folder per agent step
+# A daemon that watches the run counts the same failures and stops it itself, within about two
+# of its polls (5 s each) of the failure over the cap; the batch step leaves it that long, so a
+# run the daemon watches ends with the daemon's reason, and one it does not, about as fast.
+GIVE_UP_GRACE_S = 20.0
 
 
 def free_port(host: str) -> int:
@@ -64,10 +68,12 @@ class BatchStep:
         *,
         poll_s: float = 5.0,
         stop_grace_s: float = 20.0,
+        give_up_grace_s: float = GIVE_UP_GRACE_S,
     ):
         self.spec, self.client, self.job_id = spec, client, job_id
         self.store_host = store_host
         self.poll_s, self.stop_grace_s = poll_s, stop_grace_s
+        self.give_up_grace_s = give_up_grace_s
         self.state = BudgetState.load(spec.ckpt_dir)
         self.save_requested = threading.Event()
         self.outcome_dir = ""  # the current agent step's (see batch.StepOutcomes)
@@ -78,7 +84,8 @@ class BatchStep:
         self.step_seen: list[Sighting] = []
         self.step_gone: set[str] = set()
         self.step_stopped_at: datetime | None = None  # agents leave on the batch step's stop
-        self.step_spent: RestartBudget | None = None  # the budget that stopped the step
+        self.step_spent: RestartBudget | None = None  # the first spent budget of the step
+        self.step_spent_at = 0.0
         self.checkpoint_seen = ""
 
     def _new_outcome_dir(self) -> str:
@@ -166,12 +173,26 @@ class BatchStep:
                 next_check = time.monotonic() + self.poll_s
                 if self._step_cannot_recover(nodes):
                     return self._stop(step)
-                budget = self._charge_in_place_restarts()
-                if budget.exhausted:
-                    self.step_spent = budget
+                if self._budget_spent():
                     return self._stop(step)
             time.sleep(0.2)
         return int(step.returncode)
+
+    def _budget_spent(self) -> bool:
+        """The step's in-place restarts spent the budget, and the daemon, if it watches the run,
+        did not stop it within `give_up_grace_s` (it cancels the job, which ends this step)."""
+        if self.step_spent is None:
+            budget = self._charge_in_place_restarts()
+            if not budget.exhausted:
+                return False
+            # Kept as it is now: the failures of the grace period and of the stop add nothing.
+            self.step_spent, self.step_spent_at = budget, time.monotonic()
+            log.warning(
+                "restart budget spent (%s): stopping the agent step in %.0f s",
+                budget.stop_reason(),
+                self.give_up_grace_s,
+            )
+        return time.monotonic() - self.step_spent_at >= self.give_up_grace_s
 
     def _charge_in_place_restarts(self) -> RestartBudget:
         """The budget after the current step's in-place restarts so far (kept in the state, so

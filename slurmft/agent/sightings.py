@@ -24,11 +24,18 @@ from collections.abc import Iterable
 from datetime import UTC, datetime
 from pathlib import Path
 
-from slurmft.controller.budget import RestartBudget, Seen, Sighting, budget_from_history
+from slurmft.controller.budget import (
+    RestartBudget,
+    Seen,
+    Sighting,
+    budget_from_history,
+    restart_groups,
+)
 
 log = logging.getLogger(__name__)
 
 SIGHTINGS_SUFFIX = ".sightings.jsonl"
+FAILURE_REPORTS = frozenset({Seen.FAILURE, Seen.RESTART})  # what restart_groups groups
 RECORDED_KINDS = frozenset({Seen.FAILURE, Seen.RESTART, Seen.CHECKPOINT, Seen.HANG})
 # Outcomes of an agent that left its step while the others went on (batch.StepOutcomes).
 DEPARTED_OUTCOMES = frozenset({"LEFT", "LEFT_CORDONED"})
@@ -112,5 +119,17 @@ def read_step(step_dir: str, left_before: datetime | None = None) -> list[Sighti
 
 def charge_step(before: RestartBudget, sightings: Iterable[Sighting]) -> RestartBudget:
     """The budget after an agent step's in-place restarts, on top of what was charged before
-    it (earlier steps, requeues): the daemon's rule, from the daemon's kind of evidence."""
-    return budget_from_history(list(sightings), before.max_without_progress, start=before)
+    it (earlier steps, requeues): the daemon's rule, from the daemon's kind of evidence. Spent,
+    it is the budget at the failure that spent it (the batch step reads every few seconds, and
+    torchrun may have restarted the workers again by then)."""
+    seen = list(sightings)
+    budget = budget_from_history(seen, before.max_without_progress, start=before)
+    if not budget.exhausted:
+        return budget
+    for first_report in restart_groups(seen):
+        # The failures up to this one; the evidence about their causes stays whole.
+        upto = [s for s in seen if s.kind not in FAILURE_REPORTS or s.at <= first_report]
+        spent = budget_from_history(upto, before.max_without_progress, start=before)
+        if spent.exhausted:
+            return spent
+    return budget

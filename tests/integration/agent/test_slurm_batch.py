@@ -372,8 +372,9 @@ def test_a_script_that_always_crashes_stops_at_the_cap_without_the_daemon(
         assert f"crash loop: {CRASH_CAP} restarts in a row without progress" in output, output
         assert f"the cap is {CRASH_CAP} (policy.max_restarts_without_progress)" in output
         assert "agent step 2" not in output  # stopped inside the one agent step
-        starts = job.events("fresh_start")
-        assert len(starts) == CRASH_CAP + 1, starts  # never a checkpoint: from scratch each time
+        # Never a checkpoint: from scratch each time; torchrun goes on restarting for the grace
+        # the batch step leaves a daemon (there is none here) to stop the run first.
+        assert len(job.events("fresh_start")) >= CRASH_CAP + 1
         assert max(r["step"] for r in job.records()) == 2
         assert _budget(tmp_path)["restarts_without_progress"] == CRASH_CAP + 1
     finally:

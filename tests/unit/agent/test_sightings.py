@@ -8,6 +8,8 @@ import json
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
+import pytest
+
 from slurmft.agent.agent import AgentSettings, NodeAgent
 from slurmft.agent.batch import BatchSpec, BudgetState, write_step_outcome
 from slurmft.agent.batch_step import BatchStep
@@ -72,12 +74,15 @@ def test_charges_add_to_what_earlier_steps_charged(tmp_path: Path) -> None:
     before = BudgetState(restarts_without_progress=4, last_checkpoint="step 10").charged(5)
     after = charge_step(before, read_step(str(tmp_path)))
     assert after.charged_in_a_row == 6 and after.exhausted
+    # Read later, after a third failure: still the budget at the failure that spent it.
+    crash_round(by_node, T0 + 60)
+    assert charge_step(before, read_step(str(tmp_path))) == after
     assert after.stop_reason().startswith("crash loop: 5 restarts in a row without progress")
     # The same checkpoint reported again is not progress; a newer one is.
     by_node["n1"].record(Seen.CHECKPOINT, step=10, at=T0 - 1)
     assert charge_step(before, read_step(str(tmp_path))).charged_in_a_row == 6
     by_node["n1"].record(Seen.CHECKPOINT, step=15, at=T0 + 20)
-    assert charge_step(before, read_step(str(tmp_path))).charged_in_a_row == 1
+    assert charge_step(before, read_step(str(tmp_path))).charged_in_a_row == 2  # at +30, +60
 
 
 def test_a_restart_near_an_agent_that_left_is_free(tmp_path: Path) -> None:
@@ -166,3 +171,23 @@ def test_the_agent_records_restarts_collective_errors_and_checkpoints(tmp_path: 
         (Seen.FAILURE, "n2", 3, -1),
         (Seen.RESTART, "n2", -1, -1),  # once for the node, not once per local rank
     ]
+
+
+@pytest.mark.parametrize(("grace_s", "stops"), [(0.0, True), (600.0, False)])
+def test_a_spent_budget_stops_the_step_after_the_daemons_grace(
+    tmp_path: Path, grace_s: float, stops: bool
+) -> None:
+    """A daemon that watches the run stops it first (its reason in the store); the batch step
+    stops the step once the grace has passed, with the budget as it was when spent."""
+    spec = dataclasses.replace(SPEC, ckpt_dir=str(tmp_path), max_restarts_without_progress=1)
+    batch = BatchStep(spec, None, "7", "127.0.0.1", give_up_grace_s=grace_s)  # type: ignore[arg-type]
+    batch.outcome_dir = str(tmp_path / "7.1")
+    by_node = logs(Path(batch.outcome_dir))
+    crash_round(by_node, T0)
+    assert not batch._budget_spent()  # one restart: within the cap
+    crash_round(by_node, T0 + 30)
+    assert batch._budget_spent() is stops
+    crash_round(by_node, T0 + 60)  # torchrun goes on restarting during the grace
+    assert batch._budget_spent() is stops
+    assert batch.step_spent is not None and batch.step_spent.charged_in_a_row == 2
+    assert BudgetState.load(str(tmp_path)).restarts_without_progress == 2
