@@ -112,6 +112,7 @@ class Daemon:
                 slurm_conf=conf or None, timeout_s=config["slurm.command_timeout_s"]
             ),
             webhook=bool(config["notify.webhook_url"]),
+            on_outcome=self._observe_detection,
         )
         self.webhook = (
             WebhookOutbox(
@@ -125,6 +126,7 @@ class Daemon:
         self.step_windows = StepWindows()
         self.passes = 0
         self.last_pass_at: datetime | None = None
+        self._since_last_pass: float | None = None  # at the current pass, for detections
         self.skipped_because: str | None = None  # why the last pass decided nothing
         self.notifier = notifier or Notifier()
         interval = config["daemon.poll_interval_s"]
@@ -166,26 +168,24 @@ class Daemon:
             return 0
         self.skipped_because = None
         actions = decide(view, self.policy)
-        outcomes = self.executor.execute(actions)
-        self._observe_detections(outcomes)
+        self._since_last_pass = (
+            (self.clock() - self.last_pass_at).total_seconds() if self.last_pass_at else None
+        )
+        self.executor.execute(actions)  # each outcome observed as it commits
         self.passes += 1
         if self.passes == 1:
             freeze_long_lived()
         self.last_pass_at = self.clock()
         return len(actions)
 
-    def _observe_detections(self, outcomes: list[Outcome]) -> None:
-        """Detection latency of the failures this pass found (see DaemonMetrics)."""
-        since_last_pass = (
-            (self.clock() - self.last_pass_at).total_seconds() if self.last_pass_at else None
-        )
-        for outcome in outcomes:
-            action = outcome.action
-            if not isinstance(action, v.RecordEvent) or outcome.status is not ActionStatus.DONE:
-                continue
-            seconds = action.evidence.get("seconds", since_last_pass)
-            if isinstance(seconds, int | float):
-                self.metrics.detection_latency.labels(action.kind.value).observe(seconds)
+    def _observe_detection(self, outcome: Outcome) -> None:
+        """Detection latency of a failure this pass found (see DaemonMetrics)."""
+        action = outcome.action
+        if not isinstance(action, v.RecordEvent) or outcome.status is not ActionStatus.DONE:
+            return
+        seconds = action.evidence.get("seconds", self._since_last_pass)
+        if isinstance(seconds, int | float):
+            self.metrics.detection_latency.labels(action.kind.value).observe(seconds)
 
     def _control_tick(self) -> None:
         """The main loop's step: a control pass, then the liveness the watchdog and /healthz
