@@ -60,9 +60,13 @@ def test_a_script_that_always_crashes_stops_at_the_cap_with_the_reason(
     )
     assert f"the cap is {CAP} (policy.max_restarts_without_progress)" in final.end_reason
     assert final.restarts_without_progress == CAP + 1  # the failure that stopped it
-    assert restarts_done(run) == CAP, run.job_log()[-3000:]
+    # The stop races torchrun's restart after the failure that spent the budget: with a 0.1-s
+    # rendezvous poll the workers can be back before the cancel lands (seen once in a full run).
+    done = restarts_done(run)
+    assert done in (CAP, CAP + 1), run.job_log()[-3000:]
     starts = [e for e in run.jsonl("events.jsonl") if e["event"] == "fresh_start"]
-    assert len(starts) == CAP + 1  # never a checkpoint: every start is from scratch
+    # Never a checkpoint: every start is from scratch (a racing last round may not get to it).
+    assert CAP + 1 <= len(starts) <= done + 1, (len(starts), done)
     assert max(r["step"] for r in run.jsonl("losses.jsonl")) == 2
 
     (stop,) = run.actions(Action.kind == ActionKind.STOP_RUN)
