@@ -22,6 +22,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from slurmft.agent.rdzv_fix import TORCH_POLL_S
+
 LAUNCHER_MODULE = "slurmft.agent.launcher"
 
 # torch 2.13 defect: with the agent's store shared with the workers, a joining spare never got
@@ -60,15 +62,14 @@ SAVE_REQUEST_FILE_ENV = "SLURMFT_SAVE_REQUEST_FILE"
 
 DEFAULT_MAX_RESTARTS = 1_000_000
 FASTEST_RDZV_POLL_S = 0.1
-TORCH_RDZV_POLL_S = 1.0
 # Nodes whose agents, polling at torch's own 1 s, put the most polling the store is to carry.
 RDZV_POLL_NODES_AT_TORCH_RATE = 40
 
 
 def default_rdzv_poll_s(nodes: int) -> float:
     """The rendezvous state poll for a job of `nodes` nodes (see the module docstring)."""
-    scaled = nodes * TORCH_RDZV_POLL_S / RDZV_POLL_NODES_AT_TORCH_RATE
-    return min(TORCH_RDZV_POLL_S, max(FASTEST_RDZV_POLL_S, scaled))
+    scaled = nodes * TORCH_POLL_S / RDZV_POLL_NODES_AT_TORCH_RATE
+    return min(TORCH_POLL_S, max(FASTEST_RDZV_POLL_S, scaled))
 
 
 @dataclass(frozen=True)
@@ -98,8 +99,8 @@ class TorchrunSpec:
             raise ValueError("no training script given")
         if self.keep_alive_interval_s < 1 or self.keep_alive_max_attempts < 1:
             raise ValueError("keep-alive interval and attempts must be at least 1")
-        if self.rdzv_poll_s is not None and not 0 < self.rdzv_poll_s <= TORCH_RDZV_POLL_S:
-            raise ValueError(f"rendezvous poll must be in (0, {TORCH_RDZV_POLL_S}] s")
+        if self.rdzv_poll_s is not None and not 0 < self.rdzv_poll_s <= TORCH_POLL_S:
+            raise ValueError(f"rendezvous poll must be in (0, {TORCH_POLL_S}] s")
 
     @property
     def poll_s(self) -> float:

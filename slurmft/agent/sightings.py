@@ -25,6 +25,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from slurmft.controller.budget import (
+    FAILURE_REPORTS,
     RestartBudget,
     Seen,
     Sighting,
@@ -35,7 +36,6 @@ from slurmft.controller.budget import (
 log = logging.getLogger(__name__)
 
 SIGHTINGS_SUFFIX = ".sightings.jsonl"
-FAILURE_REPORTS = frozenset({Seen.FAILURE, Seen.RESTART})  # what restart_groups groups
 RECORDED_KINDS = frozenset({Seen.FAILURE, Seen.RESTART, Seen.CHECKPOINT, Seen.HANG})
 # Outcomes of an agent that left its step while the others went on (batch.StepOutcomes).
 DEPARTED_OUTCOMES = frozenset({"LEFT", "LEFT_CORDONED"})

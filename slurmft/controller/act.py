@@ -58,19 +58,21 @@ class Executor:
         observe_only: bool = False,
         submit_attempt: Submitter | None = None,
         webhook: bool = False,
-        on_outcome: Callable[[Outcome], None] | None = None,
     ) -> None:
         self._db = database
         self._slurm = slurm
         self._observe_only = observe_only
         self._submit_attempt = submit_attempt
         self._webhook = webhook  # notify rows wait in the outbox for the webhook job
-        # Told of each outcome once its transaction committed: in-process metrics then agree
-        # with the store at every moment, not only after the whole pass.
-        self._on_outcome = on_outcome
 
-    def execute(self, actions: Sequence[v.Action]) -> list[Outcome]:
-        """Run the actions in order, one transaction each, so one failure stops nothing else."""
+    def execute(
+        self,
+        actions: Sequence[v.Action],
+        on_outcome: Callable[[Outcome], None] | None = None,
+    ) -> list[Outcome]:
+        """Run the actions in order, one transaction each, so one failure stops nothing else.
+        ``on_outcome`` is told of each outcome once its transaction committed: in-process
+        metrics then agree with the store at every moment, not only after the whole pass."""
         outcomes = []
         for action in actions:
             with self._db.session() as session:
@@ -84,8 +86,8 @@ class Executor:
                 extra={"run_id": action.run_id, "node": getattr(action, "node", None)},
             )
             outcomes.append(outcome)
-            if self._on_outcome is not None:
-                self._on_outcome(outcome)
+            if on_outcome is not None:
+                on_outcome(outcome)
         return outcomes
 
     def _execute_one(self, session: Session, action: v.Action) -> Outcome:

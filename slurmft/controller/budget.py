@@ -134,6 +134,10 @@ class Seen(StrEnum):
     JOB_FAILED = "job_failed"  # an earlier job of the run failed and was resubmitted
 
 
+# What restart_groups groups into failures; the rest is evidence about them.
+FAILURE_REPORTS = frozenset({Seen.FAILURE, Seen.RESTART})
+
+
 @dataclass(frozen=True)
 class Sighting:
     kind: Seen
@@ -156,7 +160,7 @@ class _Group:
 
 def restart_groups(sightings: Sequence[Sighting], group_s: float = GROUP_S) -> list[datetime]:
     """When each failure of the run that torchrun restarts in place was first reported."""
-    reports = [s for s in sightings if s.kind in (Seen.FAILURE, Seen.RESTART)]
+    reports = [s for s in sightings if s.kind in FAILURE_REPORTS]
     groups: list[_Group] = []
     for s in sorted(reports, key=lambda s: s.at):
         reporter = (s.kind, s.agent, s.rank if s.kind is Seen.FAILURE else -1)

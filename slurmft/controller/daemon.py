@@ -112,7 +112,6 @@ class Daemon:
                 slurm_conf=conf or None, timeout_s=config["slurm.command_timeout_s"]
             ),
             webhook=bool(config["notify.webhook_url"]),
-            on_outcome=self._observe_detection,
         )
         self.webhook = (
             WebhookOutbox(
@@ -126,7 +125,6 @@ class Daemon:
         self.step_windows = StepWindows()
         self.passes = 0
         self.last_pass_at: datetime | None = None
-        self._since_last_pass: float | None = None  # at the current pass, for detections
         self.skipped_because: str | None = None  # why the last pass decided nothing
         self.notifier = notifier or Notifier()
         interval = config["daemon.poll_interval_s"]
@@ -168,22 +166,23 @@ class Daemon:
             return 0
         self.skipped_because = None
         actions = decide(view, self.policy)
-        self._since_last_pass = (
+        since_last_pass = (
             (self.clock() - self.last_pass_at).total_seconds() if self.last_pass_at else None
         )
-        self.executor.execute(actions)  # each outcome observed as it commits
+        # Each detection observed as its row commits.
+        self.executor.execute(actions, lambda o: self._observe_detection(o, since_last_pass))
         self.passes += 1
         if self.passes == 1:
             freeze_long_lived()
         self.last_pass_at = self.clock()
         return len(actions)
 
-    def _observe_detection(self, outcome: Outcome) -> None:
+    def _observe_detection(self, outcome: Outcome, since_last_pass: float | None) -> None:
         """Detection latency of a failure this pass found (see DaemonMetrics)."""
         action = outcome.action
         if not isinstance(action, v.RecordEvent) or outcome.status is not ActionStatus.DONE:
             return
-        seconds = action.evidence.get("seconds", self._since_last_pass)
+        seconds = action.evidence.get("seconds", since_last_pass)
         if isinstance(seconds, int | float):
             self.metrics.detection_latency.labels(action.kind.value).observe(seconds)
 

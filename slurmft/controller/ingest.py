@@ -76,7 +76,6 @@ def hash_token(token: str) -> str:
 _RUNS = Run.__table__
 _ATTEMPTS = Attempt.__table__
 _CURSORS = AgentCursor.__table__
-_ACTIONS = Action.__table__
 _DENYLIST = DenylistEntry.__table__
 
 # Built once, like all below: building a statement costs more than running it for one group.
@@ -121,21 +120,6 @@ class _RunState:
     run_id: str
     token_hash: str
     attempt_id: int | None
-
-
-def ingest_batch(
-    session: Session,
-    batch: AgentBatch,
-    token: str,
-    *,
-    now: datetime,
-    sample_every: timedelta = timedelta(seconds=60),
-) -> BatchReply:
-    """Store one agent batch (once) and answer with the agent's commands."""
-    (result,) = ingest_batches(session, [(batch, token)], now=now, sample_every=sample_every)
-    if isinstance(result, IngestRefused):
-        raise result
-    return result
 
 
 def ingest_batches(

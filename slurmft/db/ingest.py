@@ -72,47 +72,54 @@ class _DriverExecutemany:
     def __init__(self, statement: Callable[[str], Insert], columns: tuple[str, ...]) -> None:
         self._statement = statement
         self.columns = columns
-        self._sql: dict[str, str] = {}
+        self._compiled: dict[str, _Compiled] = {}
 
     def execute(self, session: Session, rows: Sequence[tuple[Any, ...]]) -> None:
         connection = session.connection()
         dialect = connection.dialect
-        sql = self._sql.get(dialect.name)
-        if sql is None:
-            sql = self._sql[dialect.name] = self._compile(dialect)
-        if dialect.name != "postgresql":
-            connection.exec_driver_sql(sql, list(rows))  # type: ignore[arg-type]
+        compiled = self._compiled.get(dialect.name)
+        if compiled is None:
+            compiled = self._compiled[dialect.name] = self._compile(dialect)
+        if compiled.copy_into is None:
+            connection.exec_driver_sql(compiled.sql, list(rows))  # type: ignore[arg-type]
             return
-        table = self._statement(dialect.name).table.name  # type: ignore[attr-defined]
-        target = f"slurmft_incoming_{table}" if " ON CONFLICT " in sql else table
-        if target != table:  # per connection; emptied at commit, and below
+        if compiled.sql:  # an upsert: per connection; emptied at commit, and below
             connection.exec_driver_sql(
-                f"CREATE TEMPORARY TABLE IF NOT EXISTS {target} "
-                f"(LIKE {table} INCLUDING DEFAULTS) ON COMMIT DELETE ROWS"
+                f"CREATE TEMPORARY TABLE IF NOT EXISTS {compiled.copy_into} "
+                f"(LIKE {compiled.table} INCLUDING DEFAULTS) ON COMMIT DELETE ROWS"
             )
         dbapi = connection.connection.dbapi_connection
         assert dbapi is not None
-        copy_sql = f"COPY {target} ({', '.join(self.columns)}) FROM STDIN"
+        copy_sql = f"COPY {compiled.copy_into} ({', '.join(self.columns)}) FROM STDIN"
         with dbapi.cursor() as cursor, cursor.copy(copy_sql) as copy:  # type: ignore[attr-defined]
             for row in rows:
                 copy.write_row(row)
-        if target != table:
-            connection.exec_driver_sql(sql)
-            connection.exec_driver_sql(f"DELETE FROM {target}")
+        if compiled.sql:
+            connection.exec_driver_sql(compiled.sql)
+            connection.exec_driver_sql(f"DELETE FROM {compiled.copy_into}")
 
-    def _compile(self, dialect: Dialect) -> str:
+    def _compile(self, dialect: Dialect) -> _Compiled:
         statement = self._statement(dialect.name)
+        table = statement.table.name  # type: ignore[attr-defined]
         compiled = statement.compile(dialect=dialect, column_keys=list(self.columns))
         if dialect.name != "postgresql":
             assert compiled.positional, dialect.paramstyle  # rows are tuples in our order
             assert tuple(compiled.positiontup or ()) == self.columns, compiled.positiontup
-            return compiled.string
+            return _Compiled(table, compiled.string)
         head, values = compiled.string.split(" VALUES (", 1)
         rest = values.split(") ON CONFLICT ", 1)
         if len(rest) == 1:
-            return head  # plain INSERT: COPY into the table (the SQL itself is not run)
-        source = f"slurmft_incoming_{statement.table.name}"  # type: ignore[attr-defined]
-        return f"{head} SELECT {', '.join(self.columns)} FROM {source} ON CONFLICT {rest[1]}"
+            return _Compiled(table, "", copy_into=table)  # plain INSERT: COPY into the table
+        source = f"slurmft_incoming_{table}"
+        upsert = f"{head} SELECT {', '.join(self.columns)} FROM {source} ON CONFLICT {rest[1]}"
+        return _Compiled(table, upsert, copy_into=source)
+
+
+@dataclass(frozen=True)
+class _Compiled:
+    table: str
+    sql: str  # run with the rows (executemany); with COPY, run after it (an upsert), or none
+    copy_into: str | None = None  # PostgreSQL: the rows go by COPY into this table
 
 
 @dataclass(frozen=True, slots=True)
@@ -215,12 +222,11 @@ def record_reports(
     Returns the number of heartbeat history samples written.
     """
     when = driver_time(session.get_bind().dialect.name)
+    received = when(received_at or utcnow())
     samples: list[tuple[Any, ...]] = []
     latest: list[tuple[Any, ...]] = []
     for run in reports:
-        _heartbeat_rows(
-            session, run, sample_every, when(received_at or utcnow()), into=(samples, latest)
-        )
+        _heartbeat_rows(session, run, sample_every, received, into=(samples, latest))
     if samples:
         _NEW_SAMPLES.execute(session, samples)
     if latest:

@@ -9,6 +9,7 @@ CHECK constraint, so adding a member needs no migration.
 from __future__ import annotations
 
 import enum
+import functools
 import secrets
 from collections.abc import Callable
 from datetime import UTC, datetime
@@ -80,6 +81,7 @@ class UTCDateTime(TypeDecorator[datetime]):
         return lambda value: None if value is None else to_text(value)
 
 
+@functools.cache
 def driver_time(dialect_name: str) -> Callable[[datetime], Any]:
     """An aware timestamp as the driver takes it for a UTCDateTime column, for statements run
     below SQLAlchemy's parameter processing (db.ingest's hot inserts).
