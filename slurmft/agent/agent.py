@@ -21,7 +21,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from slurmft.agent.channel import RankChannelServer
+import msgspec
+
+from slurmft.agent.channel import RankChannelServer, RendezvousRound
 from slurmft.agent.clock import measure_skew
 from slurmft.agent.command import TorchrunSpec, launcher_argv, torchrun_env
 from slurmft.agent.evidence import EVENT_TEXT_LIMIT, dump_stacks, ensure_dir
@@ -30,7 +32,7 @@ from slurmft.agent.probe import NoGpuProbe, Probe
 from slurmft.agent.procs import is_alive, kill_tree
 from slurmft.agent.reporter import HttpTransport, Reporter, RetryableError
 from slurmft.agent.sightings import SightingLog
-from slurmft.controller.budget import Seen
+from slurmft.controller.budget import Seen, round_key
 from slurmft.db.models import EventKind, FaultClass
 from slurmft.protocol import AgentEvent, Command, CommandKind, RankHeartbeat
 
@@ -61,6 +63,12 @@ class AgentSettings:
     step_dir: str = ""  # the batch step's folder for this agent step (outcome, sightings)
 
     @property
+    def agent_step(self) -> str:
+        """The batch step's launch ("<job>.<launch>") this agent runs in: rendezvous round
+        numbers count within it (budget.round_key)."""
+        return Path(self.step_dir).name if self.step_dir else ""
+
+    @property
     def socket_path(self) -> Path:
         return self.work_dir / "ranks.sock"
 
@@ -89,6 +97,7 @@ class WorkerSeen:
 class AgentState:
     workers: dict[int, WorkerSeen] = field(default_factory=dict)  # by local rank
     restart_counts_seen: set[int] = field(default_factory=set)
+    rounds_told: bool = False  # the launcher reports torchrun's rendezvous rounds
     killed_pids: set[int] = field(default_factory=set)
     stop_reason: str = ""
     restart_requested: str = ""  # a restart_workers command not yet carried out
@@ -314,7 +323,11 @@ class NodeAgent:
 
     # -- rank reports and hangs -------------------------------------------------------------------
     def _take_reports(self, channel: RankChannelServer) -> None:
-        for record in channel.drain():
+        for received in channel.drain():
+            record = received
+            if isinstance(record, RendezvousRound):
+                self._saw_round(record)
+                continue
             if isinstance(record, RankHeartbeat):
                 if record.pid in self.state.killed_pids:
                     # A stopped worker continued for its stack dump may beat once before the
@@ -322,9 +335,26 @@ class NodeAgent:
                     continue
                 self._saw_heartbeat(record)
             elif isinstance(record, AgentEvent):
+                record = self._named_round(record)
                 self._saw_rank_event(record)
             if self.reporter is not None:
                 self.reporter.add(record)
+
+    def _saw_round(self, joined: RendezvousRound) -> None:
+        """Every round after torchrun's first is a restart of this node's workers, named by the
+        round it ended: all agents name the same one, so the daemon counts it once."""
+        self.state.rounds_told = True
+        if joined.previous is None:
+            log.info("torchrun joined rendezvous round %d", joined.round)
+            return
+        ended = round_key(self.settings.agent_step, joined.previous)
+        self.sightings.record(Seen.RESTART, round=ended, at=joined.at)
+        self.event(
+            EventKind.RESTART,
+            f"workers restarted (rendezvous round {joined.previous} -> {joined.round})",
+            rdzv_round=ended,
+            joined_round=joined.round,
+        )
 
     def _saw_heartbeat(self, hb: RankHeartbeat) -> None:
         self.state.workers[hb.local_rank] = WorkerSeen(
@@ -332,7 +362,9 @@ class NodeAgent:
         )
         if hb.restart_count not in self.state.restart_counts_seen:
             self.state.restart_counts_seen.add(hb.restart_count)  # once per node, not per rank
-            if hb.restart_count:
+            # Without rounds (a launcher that could not read them), torch's own count: it
+            # misses restarts for a change of members, but never reports one twice.
+            if hb.restart_count and not self.state.rounds_told:
                 self.sightings.record(Seen.RESTART)
                 self.event(
                     EventKind.RESTART,
@@ -341,10 +373,24 @@ class NodeAgent:
                     restart_count=hb.restart_count,
                 )
 
+    def _named_round(self, event: AgentEvent) -> AgentEvent:
+        """A rank's report names the round its workers ran in: named in this agent step."""
+        worker_round = event.details.get("rdzv_round")
+        if not isinstance(worker_round, int):
+            return event
+        named = round_key(self.settings.agent_step, worker_round)
+        return msgspec.structs.replace(event, details={**event.details, "rdzv_round": named})
+
     def _saw_rank_event(self, event: AgentEvent) -> None:
         if event.kind == EventKind.COLLECTIVE_ERROR:
             rank = event.rank if event.rank is not None else -1
-            self.sightings.record(Seen.FAILURE, rank=rank, at=event.occurred_at)
+            ended = event.details.get("rdzv_round")
+            self.sightings.record(
+                Seen.FAILURE,
+                rank=rank,
+                at=event.occurred_at,
+                round=ended if isinstance(ended, str) else "",
+            )
         elif event.kind == EventKind.CHECKPOINT and isinstance(event.details.get("step"), int):
             self.sightings.record(Seen.CHECKPOINT, step=event.details["step"], at=event.occurred_at)
 

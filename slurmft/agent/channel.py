@@ -33,9 +33,29 @@ RANK_EVENT_KINDS: dict[str, tuple[EventKind, FaultClass | None]] = {
     "checkpoint_invalid": (EventKind.RANK_FAILURE, FaultClass.INFRASTRUCTURE),
 }
 _ENVELOPE = {"v", "kind", "time", "rank", "local_rank", "world_size", "run_id", "restart_count",
-             "pid", "host"}
+             "rdzv_round", "pid", "host"}
 
-Record = RankHeartbeat | RankStepTime | AgentEvent
+
+@dataclass(frozen=True)
+class RendezvousRound:
+    """torchrun joined rendezvous round `round`, leaving `previous` (None: its first round);
+    sent by slurmft's launcher (slurmft.agent.rounds), for the agent alone."""
+
+    round: int
+    previous: int | None
+    at: float
+
+
+Record = RankHeartbeat | RankStepTime | AgentEvent | RendezvousRound
+
+
+def _round_number(value: Any) -> int | None:
+    """A round number as sent, or None; a bool or a negative number is no round."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"not a rendezvous round: {value!r}")
+    return value
 
 
 @dataclass
@@ -79,11 +99,20 @@ def to_record(message: dict[str, Any]) -> Record | None:
             fault_class=FaultClass.STRAGGLER.value,
             details=details,
         )
+    if kind == "round":
+        joined = _round_number(message["round"])
+        if joined is None:
+            raise ValueError("a round message without its round")
+        previous = _round_number(message.get("previous"))
+        return RendezvousRound(joined, previous, float(message["time"]))
     if kind == "event" and message.get("event") in RANK_EVENT_KINDS:
         if message["event"] == "checkpoint_saved" and int(message["rank"]) != 0:
             return None  # every rank saves its shard; one event per checkpoint is the progress
         event_kind, fault_class = RANK_EVENT_KINDS[message["event"]]
         details = {k: v for k, v in message.items() if k not in _ENVELOPE}
+        worker_round = _round_number(message.get("rdzv_round"))
+        if worker_round is not None:
+            details["rdzv_round"] = worker_round  # the agent names it in its step (round_key)
         return AgentEvent(
             kind=event_kind.value,
             occurred_at=float(message["time"]),

@@ -8,7 +8,8 @@ the agent stay torch-free. When torch's internals differ from what the fix knows
 could only be a spare (`--spare-candidate`: beyond the first N nodes) exits with
 AgentExit.SPARE_REFUSED, and the first N run as a job without spares: with exactly N agents the
 wait-list defect cannot trigger. `--rdzv-poll-s` shortens torch's one-second rendezvous state
-poll under the same gate (rdzv_fix); refused, torch keeps its own.
+poll under the same gate (rdzv_fix); refused, torch keeps its own. Every round torchrun joins is
+told to the agent and to the next workers (rounds), so each restart is counted once.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from slurmft.agent import rdzv_fix
+from slurmft.agent import rdzv_fix, rounds
 from slurmft.agent.exits import AgentExit
 
 PREFIX = "slurmft launcher:"
@@ -130,6 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     if refused is not None:
         return int(refused)
+    if not rounds.observe(rdzv_fix.load_module(), warn=say):
+        say("torch's rendezvous has no next_rendezvous to observe: restarts are grouped by time")
     patch_graceful_exit()
     from torch.distributed.run import main as torchrun_main  # noqa: TID251
 

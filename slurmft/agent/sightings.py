@@ -51,10 +51,13 @@ class SightingLog:
     def __init__(self, step_dir: str, node: str):
         self.path = sightings_path(step_dir, node) if step_dir else None
 
-    def record(self, kind: Seen, *, rank: int = -1, step: int = -1, at: float = 0.0) -> None:
+    def record(
+        self, kind: Seen, *, rank: int = -1, step: int = -1, at: float = 0.0, round: str = ""
+    ) -> None:
         if self.path is None:
             return
-        line = json.dumps({"kind": kind.value, "at": at or time.time(), "rank": rank, "step": step})
+        record = {"kind": kind.value, "at": at or time.time(), "rank": rank, "step": step}
+        line = json.dumps({**record, "round": round})
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
@@ -77,10 +80,11 @@ def parse_sightings(text: str, agent: str) -> list[Sighting]:
             kind = Seen(record["kind"])
             at = datetime.fromtimestamp(float(record["at"]), UTC)
             rank, step = int(record.get("rank", -1)), int(record.get("step", -1))
+            ended = record.get("round") or ""
         except (ValueError, KeyError, TypeError):
             continue
-        if kind in RECORDED_KINDS:
-            found.append(Sighting(kind, at, agent=agent, rank=rank, step=step))
+        if kind in RECORDED_KINDS and isinstance(ended, str):
+            found.append(Sighting(kind, at, agent=agent, rank=rank, step=step, round=ended))
     return found
 
 

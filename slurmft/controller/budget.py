@@ -112,11 +112,20 @@ class RestartBudget:
 # torchrun restarts workers in place (a crashed rank, a hang the daemon ended) without the agent
 # step ending, so the batch step never sees those restarts. The daemon does, from two reports:
 # the surviving ranks' collective errors when a rank dies (within a second), and every agent's
-# "workers restarted" once the new workers run (seconds to minutes later). One failure is
-# reported by many ranks and agents, so reports are grouped: a new group starts when a reporter
-# of the current group reports the same thing again (its next failure), when a collective error
-# comes after workers of the group restarted already, or when the group is older than
-# ``GROUP_S``. A group counts from its first report, so a run over budget is stopped while
+# "workers restarted" once torchrun's next rendezvous round completes. One failure is reported
+# by many ranks and agents, so reports are grouped into one restart each.
+#
+# Exactly, by rendezvous round: every restart is a new round of torchrun's rendezvous, so each
+# report names the round it ended (`Sighting.round`: the round a failing worker ran in, the
+# round an agent's torchrun left), and all reports naming one round are one restart.
+#
+# By time, for reports without a round (torch internals the launcher could not read, see
+# slurmft.agent.rounds): a new group starts when a reporter of the current group reports the
+# same thing again (its next failure), when a collective error comes after workers of the group
+# restarted already, or when the group is older than ``GROUP_S``. This can merge two quick
+# failures whose reports came from different ranks, so rounds are preferred wherever known.
+#
+# Either way a group counts from its first report, so a run over budget is stopped while
 # torchrun is still restarting it, not after.
 
 GROUP_S = 60.0  # a restart under load may take a minute; a new failure repeats a reporter first
@@ -144,6 +153,7 @@ class Sighting:
     at: datetime
     agent: str = ""  # FAILURE, RESTART: the reporting agent
     rank: int = -1  # FAILURE: the reporting rank (an agent may hold several)
+    round: str = ""  # FAILURE, RESTART: the rendezvous round it ended, when known (round_key)
     step: int = -1  # CHECKPOINT: the global step it holds
 
 
@@ -158,9 +168,28 @@ class _Group:
         return any(kind is Seen.RESTART for kind, _, _ in self.reporters)
 
 
+def round_key(agent_step: str, ended_round: int) -> str:
+    """A rendezvous round, named uniquely in the run: round numbers count within the store of
+    one agent step (``agent_step``: the batch step's launch, "<job>.<launch>")."""
+    return f"{agent_step}/{ended_round}"
+
+
 def restart_groups(sightings: Sequence[Sighting], group_s: float = GROUP_S) -> list[datetime]:
-    """When each failure of the run that torchrun restarts in place was first reported."""
+    """When each failure of the run that torchrun restarts in place was first reported: one
+    per rendezvous round ended, and the reports without a round grouped by time. An agent that
+    named rounds has its reports without one left out: they are the same restarts, seen
+    through its workers' heartbeats."""
     reports = [s for s in sightings if s.kind in FAILURE_REPORTS]
+    first_by_round: dict[str, datetime] = {}
+    for s in reports:
+        if s.round and (s.round not in first_by_round or s.at < first_by_round[s.round]):
+            first_by_round[s.round] = s.at
+    naming = {s.agent for s in reports if s.round}
+    unnamed = [s for s in reports if not s.round and s.agent not in naming]
+    return sorted([*first_by_round.values(), *_groups_by_time(unnamed, group_s)])
+
+
+def _groups_by_time(reports: Sequence[Sighting], group_s: float) -> list[datetime]:
     groups: list[_Group] = []
     for s in sorted(reports, key=lambda s: s.at):
         reporter = (s.kind, s.agent, s.rank if s.kind is Seen.FAILURE else -1)

@@ -21,6 +21,8 @@ from typing import Any
 
 SCHEMA_VERSION = 1
 SOCKET_ENV = "SLURMFT_AGENT_SOCKET"
+# The rendezvous round the workers were started in, set by slurmft's launcher (agent.rounds).
+RDZV_ROUND_ENV = "SLURMFT_RDZV_ROUND"
 # A unix datagram larger than the socket's send buffer fails with EMSGSIZE; staying well under the
 # Linux default (212992 bytes) keeps every message deliverable. Larger messages are dropped.
 MAX_MESSAGE_BYTES = 64 * 1024
@@ -65,9 +67,17 @@ def rank_identity() -> dict[str, Any]:
         "world_size": int(env.get("WORLD_SIZE", "1")),
         "run_id": env.get("TORCHELASTIC_RUN_ID", ""),
         "restart_count": int(env.get("TORCHELASTIC_RESTART_COUNT", "0")),
+        "rdzv_round": _int_or_none(env.get(RDZV_ROUND_ENV)),
         "pid": os.getpid(),
         "host": socket.gethostname(),
     }
+
+
+def _int_or_none(text: str | None) -> int | None:
+    try:
+        return int(text) if text is not None else None
+    except ValueError:
+        return None
 
 
 class ReportChannel:

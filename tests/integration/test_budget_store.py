@@ -72,6 +72,26 @@ def test_restarts_are_counted_once_per_round_and_reset_by_a_newer_checkpoint(
     assert _budget(database) == (1, newer)
 
 
+def test_reports_naming_a_round_count_once_per_round_however_they_interleave(
+    database: Database, seed_run: Callable[..., None]
+) -> None:
+    seed_run(database, "r1", job_id="7")
+    start = utcnow()
+    # Three quick failures: only one error reported, restarts reported by different agents,
+    # and the first round's restart reported once more after the third failure.
+    reports = [
+        (EventKind.COLLECTIVE_ERROR, 0.0, "n1-a", "7.1/0"),
+        (EventKind.RESTART, 0.3, "n2-b", "7.1/0"),
+        (EventKind.RESTART, 4.0, "n3-c", "7.1/1"),
+        (EventKind.RESTART, 8.0, "n1-a", "7.1/2"),
+        (EventKind.RESTART, 8.2, "n3-c", "7.1/0"),
+    ]
+    for kind, seconds, agent, ended in reports:
+        at = start + timedelta(seconds=seconds)
+        _report(database, kind, at, rank=0, agent_id=agent, rdzv_round=ended)
+    assert _budget(database)[0] == 3
+
+
 def test_a_lost_node_makes_its_restart_free_and_earlier_failed_jobs_count(
     database: Database, seed_run: Callable[..., None]
 ) -> None:

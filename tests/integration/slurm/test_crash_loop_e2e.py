@@ -1,10 +1,10 @@
 """The crash budget on the real local Slurm cluster, both ways.
 
 - A script that always crashes (rank 1 dies at step 2, before any checkpoint, in every attempt):
-  torchrun restarts it in place each time; the daemon counts every failure from the ranks'
-  reports, and after the configured number of restarts without progress the next failure stops
-  the run with the budget's reason. The job is cancelled, and no node is drained or denylisted:
-  a crashing script is the user's code, not a node fault.
+  torchrun restarts it in place each time; the daemon counts every failure once, by the
+  rendezvous round it ended, and after the configured number of restarts without progress the
+  next failure stops the run with the budget's reason. The job is cancelled, and no node is
+  drained or denylisted: a crashing script is the user's code, not a node fault.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ from daemon_process import DaemonProcess, running_daemon
 from e2e_run import TINY, SubmittedRun, submit
 from local_cluster import Cluster, wait_for
 
-from slurmft.controller.budget import Seen, Sighting, restart_groups
 from slurmft.db.models import Action, ActionKind, ActionStatus, Event, EventKind
 from slurmft.db.records import denied_nodes
 from slurmft.db.states import RunState
@@ -36,12 +35,12 @@ def daemon(tmp_path: Path) -> Iterator[DaemonProcess]:
 
 
 def restarts_done(run: SubmittedRun) -> int:
-    """Rounds of workers that came back (each agent taking part reports one)."""
+    """Rendezvous rounds torchrun left to restart the workers (every agent of a round reports
+    it, naming it)."""
     reports = run.events(Event.kind == EventKind.RESTART, Event.source == "agent")
-    sightings = [
-        Sighting(Seen.RESTART, e.recorded_at, agent=str(e.details.get("agent_id"))) for e in reports
-    ]
-    return len(restart_groups(sightings))
+    named = {e.details.get("rdzv_round") for e in reports}
+    assert None not in named, "an agent reported a restart without its round"
+    return len(named)
 
 
 def test_a_script_that_always_crashes_stops_at_the_cap_with_the_reason(
@@ -60,8 +59,8 @@ def test_a_script_that_always_crashes_stops_at_the_cap_with_the_reason(
     )
     assert f"the cap is {CAP} (policy.max_restarts_without_progress)" in final.end_reason
     assert final.restarts_without_progress == CAP + 1  # the failure that stopped it
-    # The stop races torchrun's restart after the failure that spent the budget: with a 0.1-s
-    # rendezvous poll the workers can be back before the cancel lands (seen once in a full run).
+    # The stop races torchrun's restart after the failure that spent the budget: the next round
+    # completes within a second, so its workers may be starting when the cancel lands.
     done = restarts_done(run)
     assert done in (CAP, CAP + 1), run.job_log()[-3000:]
     starts = [e for e in run.jsonl("events.jsonl") if e["event"] == "fresh_start"]

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from slurmft.agent.channel import RankChannelServer
+from slurmft.agent.channel import RankChannelServer, RendezvousRound
 from slurmft.agent.evidence import dump_stacks, is_stopped
 from slurmft.protocol import AgentEvent, RankHeartbeat, RankStepTime
 from slurmft.train.report import ReportChannel
@@ -57,6 +57,27 @@ def test_rank_messages_become_wire_records() -> None:
     assert straggler.rank == 6 and straggler.fault_class == "straggler"
     assert server.counters.ignored == {"something_new": 1, "checkpoint_saved": 1}
     assert server.counters.malformed == 1
+
+
+def test_rounds_from_torchrun_and_a_workers_round_on_its_reports() -> None:
+    path = str(Path(tempfile.mkdtemp(prefix="ch-")) / "ranks.sock")
+    server = RankChannelServer(path)
+    try:
+        torchrun = ReportChannel(path, {"rank": 0, "rdzv_round": None})
+        torchrun.send("round", round=0, previous=None)
+        torchrun.send("round", round=3, previous=0)
+        torchrun.send("round", round=True, previous=0)  # not a round number
+        torchrun.send("round", round=4, previous=-1)
+        worker = ReportChannel(path, {**IDENTITY, "rdzv_round": 3})
+        worker.send("event", event="collective_error", error="Connection closed by peer")
+        got = server.drain()
+    finally:
+        server.close()
+    first, second, failure = got
+    assert first == RendezvousRound(0, None, first.at)
+    assert (second.round, second.previous) == (3, 0)  # type: ignore[union-attr]
+    assert isinstance(failure, AgentEvent) and failure.details["rdzv_round"] == 3
+    assert server.counters.malformed == 2
 
 
 STUCK = """

@@ -13,6 +13,7 @@ import pytest
 from slurmft.agent.agent import AgentSettings, NodeAgent
 from slurmft.agent.batch import BatchSpec, BudgetState, write_step_outcome
 from slurmft.agent.batch_step import BatchStep
+from slurmft.agent.channel import RendezvousRound
 from slurmft.agent.command import TorchrunSpec
 from slurmft.agent.sightings import (
     SightingLog,
@@ -135,10 +136,10 @@ def test_without_a_step_folder_nothing_is_written_or_read(tmp_path: Path) -> Non
 
 
 class Channel:
-    def __init__(self, *records: RankHeartbeat | AgentEvent) -> None:
+    def __init__(self, *records: RankHeartbeat | AgentEvent | RendezvousRound) -> None:
         self.records = list(records)
 
-    def drain(self) -> list[RankHeartbeat | AgentEvent]:
+    def drain(self) -> list[RankHeartbeat | AgentEvent | RendezvousRound]:
         records, self.records = self.records, []
         return records
 
@@ -191,3 +192,50 @@ def test_a_spent_budget_stops_the_step_after_the_daemons_grace(
     assert batch._budget_spent() is stops
     assert batch.step_spent is not None and batch.step_spent.charged_in_a_row == 2
     assert BudgetState.load(str(tmp_path)).restarts_without_progress == 2
+
+
+class Forwarded:
+    """The agent's reporter: what it would send to the daemon."""
+
+    def __init__(self) -> None:
+        self.records: list[object] = []
+
+    def add(self, record: object) -> None:
+        self.records.append(record)
+
+    add_event = add
+
+
+def test_with_rounds_told_restarts_and_failures_are_named_by_the_round_they_ended(
+    tmp_path: Path,
+) -> None:
+    spec = TorchrunSpec(
+        nodes=1, nproc_per_node=1, rdzv_endpoint="127.0.0.1:1", rdzv_id="r", script=("x.py",)
+    )
+    step_dir = tmp_path / "steps" / "7.2"
+    settings = AgentSettings(
+        spec=spec, node="n1", run_id="r", work_dir=tmp_path / "w", step_dir=str(step_dir)
+    )
+    agent = NodeAgent(settings)
+    agent.reporter = forwarded = Forwarded()  # type: ignore[assignment]
+
+    failed = AgentEvent(
+        kind=EventKind.COLLECTIVE_ERROR, occurred_at=T0, rank=0, details={"rdzv_round": 4}
+    )
+    after = RankHeartbeat(0, 0, "step", 1, 0.1, 300.0, False, T0 + 3, 1)  # torch's count: 1
+    agent._take_reports(
+        Channel(  # type: ignore[arg-type]
+            RendezvousRound(4, None, T0 - 10),  # torchrun's first round: no restart
+            failed,
+            RendezvousRound(6, 4, T0 + 1),  # round 5 never got to workers here
+            after,
+        )
+    )
+    seen = read_step(str(step_dir))
+    assert [(s.kind, s.round) for s in seen] == [(Seen.FAILURE, "7.2/4"), (Seen.RESTART, "7.2/4")]
+    events = [r for r in forwarded.records if isinstance(r, AgentEvent)]
+    assert [(e.kind, e.details["rdzv_round"]) for e in events] == [
+        (EventKind.COLLECTIVE_ERROR, "7.2/4"),  # the rank's report, named in this agent step
+        (EventKind.RESTART, "7.2/4"),  # once, from the round: not again from the heartbeat
+    ]
+    assert budget_from_history(seen, 5).charged_in_a_row == 1

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import dataclasses
 from datetime import UTC, datetime, timedelta
 
 import pytest
@@ -11,6 +12,7 @@ from slurmft.controller.budget import (
     Sighting,
     budget_from_history,
     restart_groups,
+    round_key,
 )
 from slurmft.db.models import FaultClass
 
@@ -121,6 +123,33 @@ def test_a_failure_is_counted_when_the_survivors_see_it_not_when_the_restart_end
     assert restart_groups(one) == [_at(0)]
     # An error after the workers came back is the next failure, whoever reports it.
     assert restart_groups([*one, *_failure(40, ("c", 1))]) == [_at(0), _at(40)]
+
+
+def test_rounds_count_each_failure_once_where_time_alone_merges_two() -> None:
+    """As seen in a crash loop on a loaded machine: a round whose survivors were stopped before
+    they reported their error, and restarts reported seconds late, by the agents that happened
+    to count them."""
+
+    def ended(round_: int, reports: list[Sighting]) -> list[Sighting]:
+        return [dataclasses.replace(s, round=round_key("7.1", round_)) for s in reports]
+
+    rounds = [
+        _failure(1, ("a", 0), ("c", 2)) + _restart(4.6, "b", "a"),
+        _failure(6.6, ("a", 0), ("c", 2)) + _restart(9.9, "a", "c"),
+        _restart(15.5, "d"),  # no error reported: the survivors were stopped first
+        _failure(18, ("a", 0), ("c", 2)) + _restart(21, "b"),
+    ]
+    by_time = [s for reports in rounds for s in reports]
+    assert len(restart_groups(by_time)) == 3  # the third failure merged into the second
+    named = [s for n, reports in enumerate(rounds) for s in ended(n, reports)]
+    four = [_at(1), _at(6.6), _at(15.5), _at(18)]
+    assert restart_groups(named) == four
+    # A round reported again later (a spare back from sitting one out names the round it left)
+    # is the restart counted already.
+    assert restart_groups([*named, *ended(2, _restart(40, "d"))]) == four
+    # An agent that names rounds: its unnamed reports are the same restarts. One that names
+    # none (a launcher that could not read them) is grouped by time.
+    assert restart_groups([*named, *_restart(22, "a"), *_restart(50, "z")]) == [*four, _at(50)]
 
 
 def test_a_script_that_always_crashes_stops_after_the_cap() -> None:
