@@ -55,6 +55,7 @@ from slurmft.train import (
     plan_batches,
     restore_rng_state,
 )
+from slurmft.train.report import RDZV_ROUND_ENV
 
 DATASET_SIZE = 600
 FEATURES = 16
@@ -102,16 +103,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def torchrun_attempt() -> int:
+    """Which start of the workers this is: under slurmft's launcher the rendezvous round, the
+    same on every node; under a plain torchrun, TORCHELASTIC_RESTART_COUNT, which counts only
+    the restarts of this node's own failed workers (a rank that moves to a node whose workers
+    were stopped for a change of members would see its old attempt number again)."""
+    round_ = os.environ.get(RDZV_ROUND_ENV)
+    if round_ is not None and round_.isdigit():
+        return int(round_)
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
 def fault_due(spec: str, step: int, rank: int, fault_rank: int) -> bool:
-    """`STEP[@ATTEMPT]` matches this step on the fault rank in that torchrun attempt (0 when
-    left out); `STEP@*` in every attempt: a script that always fails there."""
+    """`STEP[@ATTEMPT]` matches this step on the fault rank in that attempt of the workers
+    (`torchrun_attempt`; 0 when left out); `STEP@*` in every attempt: a script that always
+    fails there."""
     if not spec or rank != fault_rank:
         return False
     at_step, _, attempt = spec.partition("@")
     if int(at_step) != step:
         return False
-    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    return attempt == "*" or int(attempt or 0) == restart
+    return attempt == "*" or int(attempt or 0) == torchrun_attempt()
 
 
 def on_slow_node(nodes_file: str) -> bool:
@@ -139,7 +151,7 @@ class Journal:
 
     def __init__(self, out_dir: Path, rank: int):
         self.enabled = rank == 0
-        self.attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        self.attempt = torchrun_attempt()
         out_dir.mkdir(parents=True, exist_ok=True)
         self.losses = out_dir / "losses.jsonl"
         self.events = out_dir / "events.jsonl"

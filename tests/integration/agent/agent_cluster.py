@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -167,11 +168,18 @@ class AgentCluster:
             lambda: self.events("done"), timeout_s, lambda: f"the run to finish\n{self.logs_tail()}"
         )
 
-    def healthy_worker_stops(self) -> int:
-        """How often torchrun stopped live workers to re-rendezvous, over all agents (torch 2.13
-        logs one "closing signal" line per worker it stops). The restart loop does this every
-        round; a recovery from a dead peer does not (its workers have already exited)."""
-        return sum(a.log().count("closing signal") for a in self.agents)
+    def highest_round(self) -> int:
+        """The newest rendezvous round any agent's torchrun joined (each agent logs the rounds
+        its launcher tells it): every restart is a new round, so a restart loop shows as round
+        after round, however the workers were stopped."""
+        rounds = [
+            int(number)
+            for agent in self.agents
+            for match in _ROUND.finditer(agent.log())
+            for number in match.groups()
+            if number is not None
+        ]
+        return max(rounds, default=-1)
 
     def logs_tail(self, chars: int = 3000) -> str:
         return "\n".join(f"--- agent {a.index}\n{a.log()[-chars:]}" for a in self.agents)
@@ -183,6 +191,9 @@ class AgentCluster:
                 agent.process.wait(timeout=10)
         if self.store is not None:
             self.store.stop()
+
+
+_ROUND = re.compile(r"rendezvous round (\d+)(?: -> (\d+))?")
 
 
 def _jsonl(path: Path) -> list[dict[str, Any]]:

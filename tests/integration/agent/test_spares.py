@@ -96,12 +96,17 @@ def test_node_kill_spare_joins_and_training_matches(cluster: Any, reference: dic
 
 
 def assert_no_restart_loop(run: AgentCluster) -> None:
-    """The loop stops and restarts healthy workers round after round (membership restarts do
-    not count in TORCHELASTIC_RESTART_COUNT, so the journal's attempt numbers cannot show it).
-    It may end by chance after a minute, so the test counts the stops, not just the outcome.
-    Measured: with the fix 0 stops (both tests); without it 72 (worker crash) and 3 (two spares)."""
-    stops = run.healthy_worker_stops()
-    assert stops <= 1, f"healthy workers stopped {stops} times: restart loop\n{run.logs_tail()}"
+    """The loop restarts healthy workers round after round (membership restarts do not count
+    in TORCHELASTIC_RESTART_COUNT, so the journal's attempt numbers cannot show it). It may end
+    by chance after a minute, so the test counts the rendezvous rounds, not just the outcome:
+    one failure, one restart, round 1. Measured: with the fix round 1 (both tests); without it
+    round 104 (two spares) and 206 (worker crash) before the runs were stopped.
+
+    (Counting torch's "closing signal" lines instead was racy: with the 0.1-s rendezvous poll
+    torchrun may stop the survivors' workers for the new round before they exit on the error
+    themselves, which is one restart, not a loop.)"""
+    newest = run.highest_round()
+    assert newest == 1, f"newest rendezvous round {newest}: restart loop\n{run.logs_tail()}"
 
 
 def test_two_spares_node_kill_no_restart_loop(cluster: Any, reference: dict) -> None:
