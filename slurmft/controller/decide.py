@@ -135,8 +135,11 @@ def _decide_run(run: RunView, view: ClusterView, policy: Policy, gate: _DrainGat
                 job_id=job.job_id if job else None,
             )
         ]
-    if job is None or job.phase is JobPhase.PENDING:
+    if job is None:
         return []
+    if job.phase is JobPhase.PENDING:
+        # Waiting: nothing to recover; a node lost as the job was requeued is still recorded.
+        return _lost_nodes(run, view, policy, gate)[0]
     if job.phase is JobPhase.ENDED:
         return _job_ended(run, job, view)
     if run.budget.exhausted:

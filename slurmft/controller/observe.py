@@ -42,7 +42,7 @@ from slurmft.db.models import (
     StepTime,
 )
 from slurmft.db.records import denied_nodes
-from slurmft.db.states import RunState
+from slurmft.db.states import AttemptState, RunState
 from slurmft.gpu.api import FaultAction
 from slurmft.gpu.lemons import XidOccurrence, judge_lemons
 from slurmft.slurm.api import (
@@ -298,7 +298,11 @@ def _run_view(
         run_id=run.id,
         nodes_needed=run.nodes,
         job=job,
-        nodes=_node_views(session, attempt, info, nodes),
+        nodes=(
+            _lost_by_requeue(session, attempt, nodes)
+            if job is not None and job.phase is JobPhase.PENDING
+            else _node_views(session, attempt, info, nodes)
+        ),
         beats=_beats(session, run.id, attempt, placed_since),
         compute=compute,
         gpu_faults=_gpu_faults(session, run.id, since),
@@ -326,6 +330,29 @@ def _node_views(
         condition = node_condition(nodes.get(name)) if name in held else NodeCondition.LOST
         views.append(NodeView(name, roles.get(name, NodeRole.ACTIVE), condition))
     return tuple(views)
+
+
+def _lost_by_requeue(
+    session: Session, attempt: Attempt | None, nodes: Mapping[str, NodeInfo]
+) -> tuple[NodeView, ...]:
+    """A waiting job's nodes: those its requeued attempt held that Slurm calls lost. The batch
+    step requeues the job itself as soon as too few nodes are left, and the job may be queued
+    again before any pass saw the node lost in the running job; this pass still records it."""
+    if attempt is None or attempt.state is not AttemptState.SUBMITTED or attempt.number < 2:
+        return ()
+    requeued = session.scalars(
+        select(Attempt).where(
+            Attempt.run_id == attempt.run_id, Attempt.number == attempt.number - 1
+        )
+    ).first()
+    if requeued is None or requeued.state is not AttemptState.REQUEUED or not requeued.nodelist:
+        return ()
+    held = requeued.nodelist.split(",")
+    return tuple(
+        NodeView(name, NodeRole.ACTIVE, NodeCondition.LOST)
+        for name in held
+        if node_condition(nodes.get(name)) is NodeCondition.LOST
+    )
 
 
 def _beats(

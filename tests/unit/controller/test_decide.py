@@ -132,6 +132,16 @@ CASES = [
     ),
     ("pending job: wait", _view(_run(job=JobView("101", JobPhase.PENDING))), []),
     (
+        "pending job, a node of its requeued attempt lost: record and exclude it, nothing else",
+        _view(
+            _run(
+                job=JobView("101", JobPhase.PENDING),
+                nodes=(NodeView("n2", NodeRole.ACTIVE, NodeCondition.LOST),),
+            )
+        ),
+        [("RecordEvent", "node_lost@n2"), ("ExcludeNode", "n2")],
+    ),
+    (
         "active node lost: record, exclude; the spare joins",
         _view(_run(nodes=_nodes(lost=("n2",)))),
         [("RecordEvent", "node_lost@n2"), ("ExcludeNode", "n2")],
