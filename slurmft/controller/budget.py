@@ -179,6 +179,11 @@ def restart_groups(sightings: Sequence[Sighting], group_s: float = GROUP_S) -> l
     per rendezvous round ended, and the reports without a round grouped by time. An agent that
     named rounds has its reports without one left out: they are the same restarts, seen
     through its workers' heartbeats."""
+    return [at for at, _ in _named_groups(sightings, group_s)]
+
+
+def _named_groups(sightings: Sequence[Sighting], group_s: float) -> list[tuple[datetime, str]]:
+    """`restart_groups` with a name for each: the round's key, or the first report's time."""
     reports = [s for s in sightings if s.kind in FAILURE_REPORTS]
     first_by_round: dict[str, datetime] = {}
     for s in reports:
@@ -186,7 +191,8 @@ def restart_groups(sightings: Sequence[Sighting], group_s: float = GROUP_S) -> l
             first_by_round[s.round] = s.at
     naming = {s.agent for s in reports if s.round}
     unnamed = [s for s in reports if not s.round and s.agent not in naming]
-    return sorted([*first_by_round.values(), *_groups_by_time(unnamed, group_s)])
+    by_time = [(at, f"reported {at.isoformat()}") for at in _groups_by_time(unnamed, group_s)]
+    return sorted([*((at, key) for key, at in first_by_round.items()), *by_time])
 
 
 def _groups_by_time(reports: Sequence[Sighting], group_s: float) -> list[datetime]:
@@ -211,6 +217,45 @@ def progress_label(step: int) -> str:
     return f"step {step}"
 
 
+@dataclass(frozen=True)
+class ChargedRestart:
+    """One restart as the budget sees it: first reported at ``at``, its cause, and a key that
+    names it the same way on every pass (the round it ended, or its first report)."""
+
+    at: datetime
+    cause: FaultClass
+    node_removed: bool
+    key: str
+
+
+def charged_restarts(
+    sightings: Sequence[Sighting],
+    *,
+    group_s: float = GROUP_S,
+    cause_window_s: float = CAUSE_WINDOW_S,
+) -> list[ChargedRestart]:
+    """Every restart in the sightings, in time order, with its cause: in-place restarts (a
+    node removed near it, a hang killed just before it, else the user's code) and earlier
+    failed jobs (the user's code)."""
+    window = timedelta(seconds=cause_window_s)
+    removed = [s.at for s in sightings if s.kind is Seen.NODE_REMOVED]
+    hangs = [s.at for s in sightings if s.kind is Seen.HANG]
+    restarts: list[ChargedRestart] = []
+    for at, key in _named_groups(sightings, group_s):
+        if any(abs(at - r) <= window for r in removed):
+            restarts.append(ChargedRestart(at, FaultClass.HARDWARE, True, key))
+        elif any(timedelta(0) <= at - h <= window for h in hangs):
+            restarts.append(ChargedRestart(at, FaultClass.HANG, False, key))
+        else:
+            restarts.append(ChargedRestart(at, FaultClass.USER_CODE, False, key))
+    restarts += [
+        ChargedRestart(s.at, FaultClass.USER_CODE, False, f"job failed {s.at.isoformat()}")
+        for s in sightings
+        if s.kind is Seen.JOB_FAILED
+    ]
+    return sorted(restarts, key=lambda r: r.at)
+
+
 def budget_from_history(
     sightings: Sequence[Sighting],
     max_without_progress: int,
@@ -219,27 +264,16 @@ def budget_from_history(
     cause_window_s: float = CAUSE_WINDOW_S,
     start: RestartBudget | None = None,
 ) -> RestartBudget:
-    """The run's budget after everything it went through, in time order: in-place restarts
-    (cause: a node removed near it, a hang killed just before it, else the user's code), earlier
-    failed jobs (user code), and checkpoints as progress. ``start``: what was charged before
+    """The run's budget after everything it went through, in time order: the restarts
+    (`charged_restarts`), and checkpoints as progress. ``start``: what was charged before
     these sightings (the batch step's count from earlier agent steps and requeues)."""
-    window = timedelta(seconds=cause_window_s)
-    removed = [s.at for s in sightings if s.kind is Seen.NODE_REMOVED]
-    hangs = [s.at for s in sightings if s.kind is Seen.HANG]
-    restarts: list[tuple[datetime, FaultClass, bool]] = []
-    for at in restart_groups(sightings, group_s):
-        if any(abs(at - r) <= window for r in removed):
-            restarts.append((at, FaultClass.HARDWARE, True))
-        elif any(timedelta(0) <= at - h <= window for h in hangs):
-            restarts.append((at, FaultClass.HANG, False))
-        else:
-            restarts.append((at, FaultClass.USER_CODE, False))
-    failed_jobs = [s.at for s in sightings if s.kind is Seen.JOB_FAILED]
-    restarts += [(at, FaultClass.USER_CODE, False) for at in failed_jobs]
     checkpoints = sorted((s.at, s.step) for s in sightings if s.kind is Seen.CHECKPOINT)
     budget = start or RestartBudget(max_without_progress=max_without_progress)
-    for at, cause, node_removed in sorted(restarts, key=lambda r: r[0]):
-        steps = [step for when, step in checkpoints if when <= at]
+    restarts = charged_restarts(sightings, group_s=group_s, cause_window_s=cause_window_s)
+    for restart in restarts:
+        steps = [step for when, step in checkpoints if when <= restart.at]
         progress = progress_label(max(steps)) if steps else None
-        budget = budget.charge(Restart(cause, node_removed=node_removed, progress=progress))
+        budget = budget.charge(
+            Restart(restart.cause, node_removed=restart.node_removed, progress=progress)
+        )
     return budget

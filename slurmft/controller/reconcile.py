@@ -19,8 +19,16 @@ from datetime import datetime, timedelta
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from slurmft.controller.budget import CAUSE_WINDOW_S, Seen, Sighting, budget_from_history
+from slurmft.controller.budget import (
+    CAUSE_WINDOW_S,
+    ChargedRestart,
+    Seen,
+    Sighting,
+    budget_from_history,
+    charged_restarts,
+)
 from slurmft.db.models import Action, ActionKind, Attempt, Event, EventKind, Run
+from slurmft.db.records import record_event
 from slurmft.db.states import ATTEMPT_TRANSITIONS, AttemptState, RunState
 from slurmft.slurm.api import JobInfo
 from slurmft.slurm.states import JobPhase, JobState
@@ -158,6 +166,36 @@ def reconcile_budget(session: Session, run: Run) -> None:
     ]
     # The cap only decides `exhausted`; the count is the same whatever it is.
     run.restarts_without_progress = budget_from_history(sightings, 1).charged_in_a_row
+    _record_restarts(session, run.id, charged_restarts(sightings))
+
+
+def _record_restarts(session: Session, run_id: str, restarts: list[ChargedRestart]) -> None:
+    """One `restart` event of the daemon's per restart counted, with its cause, once: what the
+    `run_restarts` view counts (the agents' reports of it, one per node, are its evidence)."""
+    if not restarts:
+        return
+    known = {
+        details.get("restart_key")
+        for details in session.scalars(
+            select(Event.details).where(
+                Event.run_id == run_id, Event.kind == EventKind.RESTART, Event.source == "daemon"
+            )
+        )
+        if isinstance(details, dict)
+    }
+    for restart in restarts:
+        if restart.key in known:
+            continue
+        free = ", free: its node left the run" if restart.node_removed else ""
+        record_event(
+            session,
+            EventKind.RESTART,
+            f"workers restarted ({restart.cause.value}{free})",
+            run_id=run_id,
+            fault_class=restart.cause,
+            details={"restart_key": restart.key, "free": restart.node_removed},
+            occurred_at=restart.at,
+        )
 
 
 def _progress(session: Session, run_id: str, since: datetime) -> Sighting | None:

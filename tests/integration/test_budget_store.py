@@ -7,11 +7,11 @@ from collections.abc import Callable
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import select, text
 
 from slurmft.controller.reconcile import reconcile_budget
 from slurmft.db import Database
-from slurmft.db.models import Attempt, EventKind, Run, utcnow
+from slurmft.db.models import Attempt, Event, EventKind, FaultClass, Run, utcnow
 from slurmft.db.records import record_event
 from slurmft.db.states import AttemptState
 
@@ -36,6 +36,15 @@ def _report(
 def _restart_everywhere(database: Database, at: datetime) -> None:
     for i, agent in enumerate(AGENTS):
         _report(database, EventKind.RESTART, at + timedelta(seconds=i * 0.4), agent_id=agent)
+
+
+def _run_restarts(database: Database) -> dict[str, int]:
+    """The `run_restarts` view's counts for the run (docs/failure-history.md)."""
+    with database.session() as s:
+        row = s.execute(
+            text("SELECT restarts, hardware, hang, user_code FROM run_restarts WHERE run_id = 'r1'")
+        ).one()
+    return dict(zip(("restarts", "hardware", "hang", "user_code"), row, strict=True))
 
 
 def _budget(database: Database) -> tuple[int, datetime | None]:
@@ -90,6 +99,14 @@ def test_reports_naming_a_round_count_once_per_round_however_they_interleave(
         at = start + timedelta(seconds=seconds)
         _report(database, kind, at, rank=0, agent_id=agent, rdzv_round=ended)
     assert _budget(database)[0] == 3
+    assert _budget(database)[0] == 3  # a second pass records nothing again
+    with database.session() as s:
+        counted = s.scalars(
+            select(Event).where(Event.kind == EventKind.RESTART, Event.source == "daemon")
+        ).all()
+        assert sorted(e.details["restart_key"] for e in counted) == ["7.1/0", "7.1/1", "7.1/2"]
+        assert {e.fault_class for e in counted} == {FaultClass.USER_CODE}
+    assert _run_restarts(database) == {"restarts": 3, "hardware": 0, "hang": 0, "user_code": 3}
 
 
 def test_a_lost_node_makes_its_restart_free_and_earlier_failed_jobs_count(
@@ -107,3 +124,5 @@ def test_a_lost_node_makes_its_restart_free_and_earlier_failed_jobs_count(
     _report(database, EventKind.HANG, start + timedelta(seconds=200), stacks={"1": "..."})
     _restart_everywhere(database, start + timedelta(seconds=210))
     assert _budget(database) == (2, None)
+    # The failure history counts each restart once, by its cause.
+    assert _run_restarts(database) == {"restarts": 3, "hardware": 1, "hang": 1, "user_code": 1}
