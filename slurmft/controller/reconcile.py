@@ -157,45 +157,59 @@ def reconcile_budget(session: Session, run: Run) -> None:
     progress = _progress(session, run.id, since)
     if progress is not None:
         since = run.last_progress_at = progress.at
-    window = since - timedelta(seconds=CAUSE_WINDOW_S)
+    window = timedelta(seconds=CAUSE_WINDOW_S)
+    causes = _causes(session, run.id, since - 2 * window)
     sightings = [
         *([progress] if progress else []),
         *_restarts(session, run.id, since),
-        *_causes(session, run.id, window),
+        *[c for c in causes if c.at >= since - window],
         *_failed_jobs(session, run.id, since),
     ]
     # The cap only decides `exhausted`; the count is the same whatever it is.
     run.restarts_without_progress = budget_from_history(sightings, 1).charged_in_a_row
-    _record_restarts(session, run.id, charged_restarts(sightings))
+    # The record also revisits the restarts of the cause window before the newest checkpoint:
+    # progress may come seconds after a restart whose node Slurm has not called lost yet.
+    recent = [
+        *_restarts(session, run.id, since - window),
+        *causes,
+        *_failed_jobs(session, run.id, since - window),
+    ]
+    _record_restarts(session, run.id, charged_restarts(recent))
 
 
 def _record_restarts(session: Session, run_id: str, restarts: list[ChargedRestart]) -> None:
-    """One `restart` event of the daemon's per restart counted, with its cause, once: what the
-    `run_restarts` view counts (the agents' reports of it, one per node, are its evidence)."""
+    """One `restart` event of the daemon's per restart counted, with its cause: what the
+    `run_restarts` view counts (the agents' reports of it, one per node, are its evidence). A
+    restart is counted at its first report, often before the node loss that caused it is
+    known (Slurm takes seconds to call a node DOWN), so a recorded cause is corrected later."""
     if not restarts:
         return
-    known = {
-        details.get("restart_key")
-        for details in session.scalars(
-            select(Event.details).where(
+    recorded = {
+        event.details.get("restart_key"): event
+        for event in session.scalars(
+            select(Event).where(
                 Event.run_id == run_id, Event.kind == EventKind.RESTART, Event.source == "daemon"
             )
         )
-        if isinstance(details, dict)
+        if isinstance(event.details, dict)
     }
     for restart in restarts:
-        if restart.key in known:
-            continue
         free = ", free: its node left the run" if restart.node_removed else ""
-        record_event(
-            session,
-            EventKind.RESTART,
-            f"workers restarted ({restart.cause.value}{free})",
-            run_id=run_id,
-            fault_class=restart.cause,
-            details={"restart_key": restart.key, "free": restart.node_removed},
-            occurred_at=restart.at,
-        )
+        message = f"workers restarted ({restart.cause.value}{free})"
+        details = {"restart_key": restart.key, "free": restart.node_removed}
+        event = recorded.get(restart.key)
+        if event is None:
+            record_event(
+                session,
+                EventKind.RESTART,
+                message,
+                run_id=run_id,
+                fault_class=restart.cause,
+                details=details,
+                occurred_at=restart.at,
+            )
+        elif event.fault_class is not restart.cause or event.details != details:
+            event.fault_class, event.message, event.details = restart.cause, message, details
 
 
 def _progress(session: Session, run_id: str, since: datetime) -> Sighting | None:

@@ -109,6 +109,23 @@ def test_reports_naming_a_round_count_once_per_round_however_they_interleave(
     assert _run_restarts(database) == {"restarts": 3, "hardware": 0, "hang": 0, "user_code": 3}
 
 
+def test_a_restart_counted_before_its_node_loss_was_known_is_recorded_with_that_cause(
+    database: Database, seed_run: Callable[..., None]
+) -> None:
+    seed_run(database, "r1", job_id="7")
+    start = utcnow()
+    _report(database, EventKind.CHECKPOINT, start, step=5)
+    failed = start + timedelta(seconds=10)
+    _report(database, EventKind.COLLECTIVE_ERROR, failed, rank=0, agent_id="a", rdzv_round="7.1/0")
+    assert _budget(database)[0] == 1
+    assert _run_restarts(database) == {"restarts": 1, "hardware": 0, "hang": 0, "user_code": 1}
+    # The spare trains and saves before Slurm calls the dead node DOWN.
+    _report(database, EventKind.CHECKPOINT, start + timedelta(seconds=15), step=10)
+    _report(database, EventKind.NODE_LOST, start + timedelta(seconds=18), source="daemon")
+    assert _budget(database)[0] == 0
+    assert _run_restarts(database) == {"restarts": 1, "hardware": 1, "hang": 0, "user_code": 0}
+
+
 def test_a_lost_node_makes_its_restart_free_and_earlier_failed_jobs_count(
     database: Database, seed_run: Callable[..., None]
 ) -> None:
