@@ -7,6 +7,7 @@ does not answer raises SlurmUnreachable and is never reported as a missing or fa
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Sequence
 
@@ -110,7 +111,17 @@ class CliSlurmClient:
         # while it waits: hold it, change the list, release it (measured on 22.05: the update is
         # accepted even while the held job is still COMPLETING). Always release, so a failed
         # update never leaves the job held forever.
-        self._requeue_checked(job_id, hold=True)
+        try:
+            self._requeue_checked(job_id, hold=True)
+        except (SlurmJobNotFound, SlurmPermissionDenied):
+            raise  # refused: nothing happened
+        except SlurmError:
+            # scontrol can fail a requeuehold that Slurm carried out before the job's restart
+            # count shows it (seen when the batch step requeued the job at the same moment):
+            # left held, the job would never run again. Releasing a job not held is harmless.
+            with contextlib.suppress(SlurmError):
+                self._run(commands.release_argv(job_id))
+            raise
         try:
             self._run(commands.set_excluded_nodes_argv(job_id, exclude))
         finally:

@@ -163,6 +163,29 @@ def test_a_requeue_that_did_not_happen_still_fails() -> None:
         CliSlurmClient(RequeueAnswersAnError(carried_out=False)).requeue("14")
 
 
+def test_a_failed_requeuehold_still_releases_the_job() -> None:
+    """scontrol failed the requeuehold, and the restart count had not risen yet, but Slurm had
+    held the job (seen on the six-loss run: it never ran again): release it anyway."""
+    job_id = job_id_of(load_recording("requeue_hold"))
+
+    class HoldAnswersAnError(ReplayRunner):
+        def run(self, argv, timeout, *, stdin=None):  # type: ignore[no-untyped-def]
+            self.calls.append(tuple(argv))
+            if argv[1] == "requeuehold":
+                return CommandResult(tuple(argv), 1, "", "scontrol: Unexpected message received\n")
+            return load_recording("release" if argv[1] == "release" else "show_job_running")
+
+    runner = HoldAnswersAnError([])
+    with pytest.raises(SlurmBadRequest, match="Unexpected message"):
+        CliSlurmClient(runner).requeue(job_id, exclude=["n6"])
+    assert [call[1] for call in runner.calls] == [
+        "--oneliner",
+        "requeuehold",
+        "--oneliner",
+        "release",
+    ]
+
+
 def test_requeue_releases_the_job_even_when_the_update_fails() -> None:
     job_id = job_id_of(load_recording("requeue_hold"))
     failed_update = load_recording("update_exclude_running")
