@@ -158,23 +158,23 @@ def reconcile_budget(session: Session, run: Run) -> None:
     if progress is not None:
         since = run.last_progress_at = progress.at
     window = timedelta(seconds=CAUSE_WINDOW_S)
+    # The record also revisits the restarts of the cause window before the newest checkpoint:
+    # progress may come seconds after a restart whose node Slurm has not called lost yet. So
+    # everything is read from that far back (causes a window further), and the budget takes
+    # the part it counts.
     causes = _causes(session, run.id, since - 2 * window)
+    recent = [
+        *_restarts(session, run.id, since - window),
+        *_failed_jobs(session, run.id, since - window),
+    ]
     sightings = [
         *([progress] if progress else []),
-        *_restarts(session, run.id, since),
+        *[s for s in recent if s.at >= since],
         *[c for c in causes if c.at >= since - window],
-        *_failed_jobs(session, run.id, since),
     ]
     # The cap only decides `exhausted`; the count is the same whatever it is.
     run.restarts_without_progress = budget_from_history(sightings, 1).charged_in_a_row
-    # The record also revisits the restarts of the cause window before the newest checkpoint:
-    # progress may come seconds after a restart whose node Slurm has not called lost yet.
-    recent = [
-        *_restarts(session, run.id, since - window),
-        *causes,
-        *_failed_jobs(session, run.id, since - window),
-    ]
-    _record_restarts(session, run.id, charged_restarts(recent))
+    _record_restarts(session, run.id, charged_restarts([*recent, *causes]))
 
 
 def _record_restarts(session: Session, run_id: str, restarts: list[ChargedRestart]) -> None:
