@@ -55,22 +55,23 @@ def observe(
     if getattr(handler_cls, _OBSERVED_MARK, False):
         return True
     reports = channel if channel is not None else ReportChannel()
-    previous: list[int] = []  # the round this torchrun was last in
-    warned: list[bool] = []
+    previous: int | None = None  # the round this torchrun was last in
+    warned = False
 
     @functools.wraps(original)
     def next_rendezvous(self: Any, *args: Any, **kwargs: Any) -> Any:
+        nonlocal previous, warned
         info = original(self, *args, **kwargs)
         joined = current_round(self)
         if joined is None:
             os.environ.pop(RDZV_ROUND_ENV, None)  # never a stale round on the next workers
             if not warned:
-                warned.append(True)
+                warned = True
                 warn("the rendezvous round is unreadable: restarts are grouped by time")
             return info
         os.environ[RDZV_ROUND_ENV] = str(joined)
-        reports.send(ROUND_MESSAGE, round=joined, previous=previous[-1] if previous else None)
-        previous[:] = [joined]
+        reports.send(ROUND_MESSAGE, round=joined, previous=previous)
+        previous = joined
         return info
 
     handler_cls.next_rendezvous = next_rendezvous

@@ -67,17 +67,17 @@ def rank_identity() -> dict[str, Any]:
         "world_size": int(env.get("WORLD_SIZE", "1")),
         "run_id": env.get("TORCHELASTIC_RUN_ID", ""),
         "restart_count": int(env.get("TORCHELASTIC_RESTART_COUNT", "0")),
-        "rdzv_round": _int_or_none(env.get(RDZV_ROUND_ENV)),
+        "rdzv_round": rdzv_round(),
         "pid": os.getpid(),
         "host": socket.gethostname(),
     }
 
 
-def _int_or_none(text: str | None) -> int | None:
-    try:
-        return int(text) if text is not None else None
-    except ValueError:
-        return None
+def rdzv_round() -> int | None:
+    """The rendezvous round these workers were started in (slurmft's launcher sets it), or
+    None under a plain torchrun."""
+    text = os.environ.get(RDZV_ROUND_ENV, "")
+    return int(text) if text.isdigit() else None
 
 
 class ReportChannel:

@@ -55,7 +55,7 @@ from slurmft.train import (
     plan_batches,
     restore_rng_state,
 )
-from slurmft.train.report import RDZV_ROUND_ENV
+from slurmft.train.report import rdzv_round
 
 DATASET_SIZE = 600
 FEATURES = 16
@@ -108,9 +108,9 @@ def torchrun_attempt() -> int:
     same on every node; under a plain torchrun, TORCHELASTIC_RESTART_COUNT, which counts only
     the restarts of this node's own failed workers (a rank that moves to a node whose workers
     were stopped for a change of members would see its old attempt number again)."""
-    round_ = os.environ.get(RDZV_ROUND_ENV)
-    if round_ is not None and round_.isdigit():
-        return int(round_)
+    round_ = rdzv_round()
+    if round_ is not None:
+        return round_
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
