@@ -144,15 +144,24 @@ class Channel:
         return records
 
 
-def test_the_agent_records_restarts_collective_errors_and_checkpoints(tmp_path: Path) -> None:
+def _agent(tmp_path: Path, step_dir: Path, node: str, *, nproc_per_node: int) -> NodeAgent:
+    """An agent of the batch step's launch `step_dir`, not started: fed through _take_reports."""
     spec = TorchrunSpec(
-        nodes=1, nproc_per_node=2, rdzv_endpoint="127.0.0.1:1", rdzv_id="r", script=("x.py",)
+        nodes=1,
+        nproc_per_node=nproc_per_node,
+        rdzv_endpoint="127.0.0.1:1",
+        rdzv_id="r",
+        script=("x.py",),
     )
-    step_dir = tmp_path / "steps" / "7.1"
     settings = AgentSettings(
-        spec=spec, node="n2", run_id="r", work_dir=tmp_path / "w", step_dir=str(step_dir)
+        spec=spec, node=node, run_id="r", work_dir=tmp_path / "w", step_dir=str(step_dir)
     )
-    agent = NodeAgent(settings)
+    return NodeAgent(settings)
+
+
+def test_the_agent_records_restarts_collective_errors_and_checkpoints(tmp_path: Path) -> None:
+    step_dir = tmp_path / "steps" / "7.1"
+    agent = _agent(tmp_path, step_dir, "n2", nproc_per_node=2)
 
     def beat(local_rank: int, restart_count: int) -> RankHeartbeat:
         rank = 2 + local_rank
@@ -209,14 +218,8 @@ class Forwarded:
 def test_with_rounds_told_restarts_and_failures_are_named_by_the_round_they_ended(
     tmp_path: Path,
 ) -> None:
-    spec = TorchrunSpec(
-        nodes=1, nproc_per_node=1, rdzv_endpoint="127.0.0.1:1", rdzv_id="r", script=("x.py",)
-    )
     step_dir = tmp_path / "steps" / "7.2"
-    settings = AgentSettings(
-        spec=spec, node="n1", run_id="r", work_dir=tmp_path / "w", step_dir=str(step_dir)
-    )
-    agent = NodeAgent(settings)
+    agent = _agent(tmp_path, step_dir, "n1", nproc_per_node=1)
     agent.reporter = forwarded = Forwarded()  # type: ignore[assignment]
 
     failed = AgentEvent(
