@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import threading
 from collections.abc import Mapping
 
 log = logging.getLogger(__name__)
@@ -60,6 +61,9 @@ class Notifier:
 
     def __init__(self, environ: Mapping[str, str] | None = None) -> None:
         self._environ = environ
+        self._ready_lock = threading.Lock()
+        # Set only once READY=1 is on the socket: the watchdog job (another thread) pings once it
+        # reads True, so no WATCHDOG=1 can reach systemd before READY=1.
         self.ready_sent = False
 
     @property
@@ -67,10 +71,11 @@ class Notifier:
         return watchdog_interval_s(self._environ)
 
     def ready(self, status: str = "") -> None:
-        if self.ready_sent:
-            return
-        self.ready_sent = True
-        send("READY=1" + (f"\nSTATUS={status}" if status else ""), self._environ)
+        with self._ready_lock:
+            if self.ready_sent:
+                return
+            send("READY=1" + (f"\nSTATUS={status}" if status else ""), self._environ)
+            self.ready_sent = True
 
     def status(self, text: str) -> None:
         send(f"STATUS={text}", self._environ)

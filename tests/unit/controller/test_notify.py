@@ -34,6 +34,25 @@ def test_one_datagram_to_a_socket_path(tmp_path: Path) -> None:
         assert sock.recv(4096) == b"STOPPING=1"
 
 
+def test_ready_sent_is_true_only_once_ready_is_on_the_socket(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The watchdog job pings from another thread once it reads ready_sent: read while READY=1
+    is still being sent, it could put WATCHDOG=1 ahead of READY=1 (seen once in a daemon test
+    on a loaded machine)."""
+    notifier = Notifier({"NOTIFY_SOCKET": "@unused"})
+    seen_while_sending: list[bool] = []
+
+    def send_and_look(message: str, environ: object = None) -> bool:
+        seen_while_sending.append(notifier.ready_sent)
+        return True
+
+    monkeypatch.setattr("slurmft.controller.notify.send", send_and_look)
+    notifier.ready()
+    assert seen_while_sending == [False]
+    assert notifier.ready_sent
+
+
 def test_abstract_socket_names_start_with_at() -> None:
     name = f"slurmft-unit-{uuid.uuid4().hex}"
     with _bound(b"\0" + name.encode()) as sock:
