@@ -103,6 +103,21 @@ class AgentState:
     restart_requested: str = ""  # a restart_workers command not yet carried out
     last_commanded_restart: float = float("-inf")
     gpu_checked_at: float = float("-inf")
+    # The reporter's thread sets a request while the main loop takes it: without the lock a
+    # request set between the loop's read and its clearing was lost (and the controller had
+    # already marked it delivered).
+    restart_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def request_restart(self, reason: str, now: float, cooldown_s: float) -> None:
+        with self.restart_lock:
+            if now - self.last_commanded_restart >= cooldown_s:
+                self.last_commanded_restart = now
+                self.restart_requested = reason
+
+    def take_restart_request(self) -> str:
+        with self.restart_lock:
+            requested, self.restart_requested = self.restart_requested, ""
+        return requested
 
 
 class NodeAgent:
@@ -153,10 +168,11 @@ class NodeAgent:
         if command.kind == CommandKind.LEAVE:
             self.request_stop(f"{LEAVE_PREFIX}{command.reason or 'asked by the controller'}")
         elif command.kind == CommandKind.RESTART_WORKERS:
-            now = time.monotonic()
-            if now - self.state.last_commanded_restart >= RESTART_COMMAND_COOLDOWN_S:
-                self.state.last_commanded_restart = now
-                self.state.restart_requested = command.reason or "asked by the controller"
+            self.state.request_restart(
+                command.reason or "asked by the controller",
+                time.monotonic(),
+                RESTART_COMMAND_COOLDOWN_S,
+            )
         else:
             log.warning("unknown command %r ignored", command.kind)
 
@@ -401,17 +417,17 @@ class NodeAgent:
             if w.pid not in self.state.killed_pids and is_alive(w.pid)
         ]
         hung = [w for w in alive if w.overdue]
+        # A commanded restart is taken here whatever happens: killing hung workers carries it
+        # out, and with no worker alive it is under way already (torchrun restarts workers
+        # whose peers failed); kept, it would kill the fresh workers.
+        requested = self.state.take_restart_request()
         if hung:
             first = hung[0]
             why = f"rank {first.rank} stuck in {first.phase} for {first.progress_age_s:.0f} s"
-        elif self.state.restart_requested and alive:
-            hung, why = alive, f"controller: {self.state.restart_requested}"
+        elif requested and alive:
+            hung, why = alive, f"controller: {requested}"
         else:
-            # No worker alive: the commanded restart is under way already (torchrun restarts
-            # workers whose peers failed). Kept, it would kill the fresh workers.
-            self.state.restart_requested = ""
             return
-        self.state.restart_requested = ""
         dumps = dump_stacks(
             {w.rank: w.pid for w in alive},
             self.settings.stacks_dir,
