@@ -66,6 +66,10 @@ class GroupCommitter:
         self._queue: queue.SimpleQueue[_Post | object] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="slurmft-ingest-writer", daemon=True)
         self._stopped = threading.Event()
+        # Held around "not stopped? then queue" and "stopped, then the stop marker": a post is
+        # either queued before the marker (stored, or answered by stop) or refused, never left
+        # behind the marker for nobody to answer.
+        self._accepting = threading.Lock()
         self.groups = 0  # committed groups, for tests and the benchmark
         self.batches = 0
 
@@ -75,13 +79,14 @@ class GroupCommitter:
 
     def stop(self) -> None:
         """Store what is queued, then stop; later submits are answered 'retry later'."""
-        if self._stopped.is_set():
-            return
-        self._stopped.set()
-        self._queue.put(_STOP)
+        with self._accepting:
+            if self._stopped.is_set():
+                return
+            self._stopped.set()
+            self._queue.put(_STOP)
         if self._thread.is_alive():
             self._thread.join()
-        while True:  # a submit that raced with stop: answered, not left waiting
+        while True:  # what a writer that never ran, or died, left queued: answered, not dropped
             try:
                 item = self._queue.get_nowait()
             except queue.Empty:
@@ -98,10 +103,11 @@ class GroupCommitter:
     ) -> BatchReply:
         """Store ``batch`` (or find it already stored) and return the agent's reply once its
         transaction committed. Raises IngestRefused, or DatabaseUnavailable: retry later."""
-        if self._stopped.is_set():
-            raise DatabaseUnavailable("the daemon is stopping")
         post = _Post(batch, token)
-        self._queue.put(post)
+        with self._accepting:
+            if self._stopped.is_set():
+                raise DatabaseUnavailable("the daemon is stopping")
+            self._queue.put(post)
         try:
             return post.answer.result(timeout=timeout_s)
         except FutureTimeout:
