@@ -119,6 +119,8 @@ class StoreSupervisor:
         self.process = subprocess.Popen([*argv, "--port", str(self.port)])
         deadline = time.monotonic() + self.start_timeout_s
         while time.monotonic() < deadline:
+            if self._stop.is_set():
+                return  # stop() ends what was started here
             if self.process.poll() is not None:
                 raise RuntimeError(
                     f"the rendezvous store on {self.endpoint} exited with "
@@ -178,7 +180,10 @@ class StoreSupervisor:
     def stop(self) -> None:
         self._stop.set()
         if self._thread is not None:
-            self._thread.join(timeout=self.interval_s + self.ping_timeout_s + 1)
+            # Not bounded by a timeout: a restart in flight would otherwise put a new store in
+            # self.process after the one below was stopped, and leave it running. The watch
+            # loop ends within one ping (ping_timeout_s), a start at its next poll.
+            self._thread.join()
         if self.process is not None and self.process.poll() is None:
             self.process.send_signal(signal.SIGCONT)  # a frozen server cannot act on SIGTERM
             self.process.terminate()
