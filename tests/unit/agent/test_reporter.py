@@ -102,8 +102,11 @@ def wait_until(check: object, timeout_s: float = 10.0) -> None:
 def test_outage_keeps_the_batch_and_its_seq_until_acknowledged(controller: FakeController) -> None:
     controller.fail_first = 3
     commands: list[Command] = []
+    # No keepalive batch in between (a slow machine can spend its 2 s on the retries), so the
+    # sequence numbers below are the two batches' own.
     reporter = Reporter(HttpTransport(controller.url, "tok"), run_id="r1", node="n1",
-                        on_command=commands.append, interval_s=0.05, backoff_cap_s=0.2)
+                        on_command=commands.append, interval_s=0.05, backoff_cap_s=0.2,
+                        keepalive_s=60)
     reporter.add(heartbeat(0, 1.0))
     reporter.add_event(event(1))
     reporter.start()
