@@ -32,7 +32,7 @@ from slurmft.agent.probe import NoGpuProbe, Probe
 from slurmft.agent.procs import is_alive, kill_tree
 from slurmft.agent.reporter import HttpTransport, Reporter, RetryableError
 from slurmft.agent.sightings import SightingLog
-from slurmft.controller.budget import Seen, round_key
+from slurmft.controller.budget import Seen, named_round, round_key
 from slurmft.db.models import EventKind, FaultClass
 from slurmft.protocol import AgentEvent, Command, CommandKind, RankHeartbeat
 
@@ -400,12 +400,8 @@ class NodeAgent:
     def _saw_rank_event(self, event: AgentEvent) -> None:
         if event.kind == EventKind.COLLECTIVE_ERROR:
             rank = event.rank if event.rank is not None else -1
-            ended = event.details.get("rdzv_round")
             self.sightings.record(
-                Seen.FAILURE,
-                rank=rank,
-                at=event.occurred_at,
-                round=ended if isinstance(ended, str) else "",
+                Seen.FAILURE, rank=rank, at=event.occurred_at, round=named_round(event.details)
             )
         elif event.kind == EventKind.CHECKPOINT and isinstance(event.details.get("step"), int):
             self.sightings.record(Seen.CHECKPOINT, step=event.details["step"], at=event.occurred_at)

@@ -174,6 +174,12 @@ def round_key(agent_step: str, ended_round: int) -> str:
     return f"{agent_step}/{ended_round}"
 
 
+def named_round(details: object) -> str:
+    """The round an event's details name (``rdzv_round``, a `round_key`), or "" when none."""
+    named = details.get("rdzv_round") if isinstance(details, dict) else None
+    return named if isinstance(named, str) else ""
+
+
 def restart_groups(sightings: Sequence[Sighting], group_s: float = GROUP_S) -> list[datetime]:
     """When each failure of the run that torchrun restarts in place was first reported: one
     per rendezvous round ended, and the reports without a round grouped by time. An agent that

@@ -26,6 +26,7 @@ from slurmft.controller.budget import (
     Sighting,
     budget_from_history,
     charged_restarts,
+    named_round,
 )
 from slurmft.db.models import Action, ActionKind, Attempt, Event, EventKind, Run
 from slurmft.db.records import record_event
@@ -249,16 +250,10 @@ def _restarts(session: Session, run_id: str, since: datetime) -> list[Sighting]:
             at,
             agent=str(details.get("agent_id", "")),
             rank=rank if rank is not None else -1,
-            round=_round_named(details),
+            round=named_round(details),
         )
         for kind, at, rank, details in rows
     ]
-
-
-def _round_named(details: object) -> str:
-    """The rendezvous round a report ended (budget.round_key), or "" when it names none."""
-    named = details.get("rdzv_round") if isinstance(details, dict) else None
-    return named if isinstance(named, str) else ""
 
 
 def _causes(session: Session, run_id: str, since: datetime) -> list[Sighting]:
