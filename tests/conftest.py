@@ -63,6 +63,48 @@ def require(component: str) -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "users: needs the test users (scripts/test-users up)")
+    use_the_workers_cluster()
+
+
+def use_the_workers_cluster() -> None:
+    """Under pytest-xdist every worker drives a local Slurm cluster of its own.
+
+    `scripts/test` starts one cluster per worker and lists their roots, in worker order, in
+    SLURMFT_TEST_CLUSTER_ROOTS; worker gwN points SLURM_CONF (which every Slurm test and helper
+    reads) at the Nth. Two workers on one cluster would see each other's jobs, drains and node
+    kills, so a worker without a cluster of its own stops the session."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    roots = os.environ.get("SLURMFT_TEST_CLUSTER_ROOTS", "").split()
+    if worker is None or not roots:
+        return
+    index = int(worker.removeprefix("gw"))
+    if index >= len(roots):
+        pytest.exit(
+            f"worker {worker} has no Slurm cluster of its own: SLURMFT_TEST_CLUSTER_ROOTS lists "
+            f"{len(roots)} (start one per worker, as scripts/test does)",
+            returncode=4,
+        )
+    os.environ["SLURM_CONF"] = str(Path(roots[index]) / "etc" / "slurm.conf")
+
+
+PHASES = ("parallel", "serial")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """SLURMFT_TEST_PHASE=parallel keeps the tests not marked `serial` (scripts/test runs them on
+    xdist workers), =serial keeps only the serial group (run alone, after); unset keeps all."""
+    phase = os.environ.get("SLURMFT_TEST_PHASE", "")
+    if not phase:
+        return
+    if phase not in PHASES:
+        raise pytest.UsageError(f"SLURMFT_TEST_PHASE must be one of {PHASES}, not {phase!r}")
+    keep, drop = [], []
+    for item in items:
+        in_serial_group = item.get_closest_marker("serial") is not None
+        (keep if in_serial_group == (phase == "serial") else drop).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:

@@ -28,6 +28,9 @@ from slurmft.controller.notify import Notifier
 from slurmft.db import Database
 from slurmft.protocol import BATCH_PATH
 
+# serial: the watchdog, /healthz and the stuck-loop verdict are time bounds.
+pytestmark = pytest.mark.serial
+
 # Pings every 0.4 s (0.4 x WATCHDOG_USEC): a loaded two-core test machine can hold a thread back
 # a few tenths of a second, which a tighter watchdog would count against the daemon.
 WATCHDOG_USEC = 1_000_000

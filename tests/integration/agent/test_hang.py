@@ -9,7 +9,7 @@ from agent_cluster import AgentCluster, wait_for
 
 from slurmft.agent.procs import is_alive
 
-pytestmark = pytest.mark.torch
+pytestmark = [pytest.mark.torch, pytest.mark.serial]  # a 2 s step deadline
 
 
 def test_hung_worker_stacks_are_saved_before_it_is_killed(tmp_path: Path) -> None:

@@ -13,7 +13,7 @@ from agent_cluster import free_port, wait_for
 
 from slurmft.agent.store import StoreSupervisor, ping_store
 
-pytestmark = pytest.mark.torch
+pytestmark = [pytest.mark.torch, pytest.mark.serial]  # a frozen store is found by ping timeouts
 
 
 def listening_addresses(port: int) -> set[str]:

@@ -21,7 +21,7 @@ from local_cluster import Cluster, wait_for
 
 from slurmft.db import Database
 
-pytestmark = pytest.mark.slurm
+pytestmark = [pytest.mark.slurm, pytest.mark.serial]  # the watchdog's 1 s pings
 
 
 def _free_port() -> int:

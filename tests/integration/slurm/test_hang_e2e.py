@@ -23,7 +23,8 @@ from slurmft.agent.procs import is_alive
 from slurmft.db.models import Action, ActionKind, ActionStatus, Event, EventKind
 from slurmft.db.states import RunState
 
-pytestmark = [pytest.mark.slurm, pytest.mark.torch]
+# serial: a rank silent for SILENT_AFTER_S is hung; load from other tests delays reports too.
+pytestmark = [pytest.mark.slurm, pytest.mark.torch, pytest.mark.serial]
 
 EXAMPLE = ["-m", "slurmft.train.examples.tiny", "--ckpt-dir", "{ckpt}", "--out-dir", "{out}"]
 # Heartbeats every second (TINY); a rank silent for 10 s while its peers report is frozen (the

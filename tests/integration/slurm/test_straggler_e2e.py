@@ -23,7 +23,8 @@ from local_cluster import Cluster, wait_for
 
 from slurmft.db.models import Action, ActionKind, Event, EventKind
 
-pytestmark = [pytest.mark.slurm, pytest.mark.torch]
+# serial: the finding is one rank's step times against the others'; load lands unevenly.
+pytestmark = [pytest.mark.slurm, pytest.mark.torch, pytest.mark.serial]
 
 STEPS = 150  # ~0.25 s a step: long enough to flag, replace and still train on afterwards
 EXAMPLE = [

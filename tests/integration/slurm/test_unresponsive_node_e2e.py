@@ -37,7 +37,8 @@ from slurmft.agent.procs import is_alive
 from slurmft.db.models import ActionKind, ActionStatus, Event, EventKind
 from slurmft.slurm.states import JobState
 
-pytestmark = [pytest.mark.slurm, pytest.mark.torch]
+# serial: a node is unresponsive when its agent's keep-alive (every 2 s) stops for a bound.
+pytestmark = [pytest.mark.slurm, pytest.mark.torch, pytest.mark.serial]
 
 STEPS = 120
 EXAMPLE = ["-m", "slurmft.train.examples.tiny", "--ckpt-dir", "{ckpt}", "--out-dir", "{out}"]

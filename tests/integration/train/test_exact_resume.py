@@ -9,7 +9,9 @@ from pathlib import Path
 import pytest
 from tiny_runs import TinyRun, copy_run, run_tiny
 
-pytestmark = pytest.mark.torch
+# One worker for the module: its runs are session fixtures (tests/integration/train/conftest.py),
+# made once per worker that asks for them.
+pytestmark = [pytest.mark.torch, pytest.mark.xdist_group("tiny-session-runs")]
 
 # Sums of the same numbers in another order; the runs below are in fact bitwise equal.
 LOSS_TOLERANCE = 1e-6

@@ -12,7 +12,7 @@ import time
 import pytest
 from tiny_runs import RUN_TIMEOUT_S, AgentSocket, TinyRun, torchrun_command, torchrun_env
 
-pytestmark = pytest.mark.torch
+pytestmark = [pytest.mark.torch, pytest.mark.serial]  # 1 s step deadline, 5 s collective timeout
 
 PG_TIMEOUT_S = 5
 STEP_DEADLINE_S = 1.0

@@ -92,6 +92,7 @@ stuck_in_a_collective()
 """
 
 
+@pytest.mark.serial  # bounds a wait in seconds
 @pytest.mark.parametrize("stopped", [False, True], ids=["stuck", "stopped"])
 def test_stacks_of_a_stuck_process_are_collected(tmp_path: Path, stopped: bool) -> None:
     """A stopped process (SIGSTOP) cannot run its handler until continued: it dumps too."""

@@ -164,6 +164,7 @@ def test_a_rejected_batch_is_dropped_not_retried_forever(controller: FakeControl
     assert reporter.counters.rejected_batches == 1 and reporter.pending() == 0
 
 
+@pytest.mark.serial  # bounds a wait in seconds
 def test_unreachable_controller_is_retryable_and_flush_is_bounded() -> None:
     transport = HttpTransport("http://127.0.0.1:9", "tok", timeout_s=0.5)  # discard port: refused
     reporter = Reporter(transport, run_id="r1", node="n1", on_command=lambda c: None)

@@ -276,6 +276,7 @@ def _wait_for(predicate: Any, timeout: float = 5.0) -> None:
         time.sleep(0.01)
 
 
+@pytest.mark.serial  # bounds a wait in seconds
 def test_xid_event_from_the_event_set_and_prompt_shutdown() -> None:
     fake = FakeNvml([FakeGpu(0), FakeGpu(1, bus="00000000:B3:00.0")])
     source = NvmlSource(fake, event_timeout_ms=20)

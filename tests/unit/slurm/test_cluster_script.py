@@ -57,6 +57,22 @@ def test_ports_differ_between_roots(monkeypatch: pytest.MonkeyPatch) -> None:
     assert pinned.base_port() == 23000
 
 
+def test_a_cluster_keeps_the_port_it_was_brought_up_on(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """`up` again, `revive` or `kill-node` without SLURMFT_CLUSTER_PORT keep a pinned port (the
+    suite pins one per worker cluster; the derived one would move it onto another's)."""
+    pinned = load_script(
+        monkeypatch, SLURMFT_CLUSTER_ROOT=str(tmp_path), SLURMFT_CLUSTER_PORT="23000"
+    )
+    pinned.CONF.parent.mkdir(parents=True)
+    pinned.CONF.write_text(pinned.render_conf(["n1"]))
+    monkeypatch.delenv("SLURMFT_CLUSTER_PORT")
+    again = load_script(monkeypatch)
+    assert again.base_port() == 23000
+    assert again.render_conf(["n1"]) == pinned.CONF.read_text()
+
+
 @pytest.mark.parametrize(
     ("value", "names"), [("3", ["n1", "n2", "n3"]), ("gpu-a, gpu-b", ["gpu-a", "gpu-b"])]
 )

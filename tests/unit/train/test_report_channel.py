@@ -65,6 +65,7 @@ def test_a_missing_agent_drops_without_raising_and_is_retried_later(
         receiver.close()
 
 
+@pytest.mark.serial  # bounds a wait in seconds
 def test_a_full_agent_never_blocks_the_sender(agent_socket: tuple[socket.socket, str]) -> None:
     _, path = agent_socket  # bound but never read: its queue fills up
     channel = ReportChannel(path, IDENTITY)

@@ -1,0 +1,86 @@
+"""The closing lines of `scripts/test`: both pytest phases added up, and the suite's time budget.
+
+Usage (scripts/test calls it):
+    suite_summary.py --budget-s 2700 --wall-s 812 \\
+        --phase parallel RC results/parallel.xml --phase serial RC results/serial.xml
+
+Prints one line per phase, the wall time against the budget, and last a plain closing line
+`suite: N passed, N failed, N skipped` for the whole suite. Exits 0 only when every phase passed
+(pytest's exit 5, "no tests collected", is fine for one phase while another ran tests), the suite
+ran at least one test, and it stayed inside the budget.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass
+from pathlib import Path
+
+NO_TESTS_COLLECTED = 5
+
+
+@dataclass(frozen=True)
+class Counts:
+    passed: int = 0
+    failed: int = 0  # failures and errors
+    skipped: int = 0
+
+    def __add__(self, other: Counts) -> Counts:
+        return Counts(
+            self.passed + other.passed, self.failed + other.failed, self.skipped + other.skipped
+        )
+
+    @property
+    def ran(self) -> int:
+        return self.passed + self.failed
+
+    def line(self) -> str:
+        return f"{self.passed} passed, {self.failed} failed, {self.skipped} skipped"
+
+
+def read_junit(path: Path) -> Counts:
+    """The counts of one pytest --junitxml report (a <testsuites> of one <testsuite>)."""
+    root = ET.parse(path).getroot()
+    suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
+    total = Counts()
+    for suite in suites:
+        tests, skipped = int(suite.get("tests", 0)), int(suite.get("skipped", 0))
+        failed = int(suite.get("failures", 0)) + int(suite.get("errors", 0))
+        total += Counts(tests - failed - skipped, failed, skipped)
+    return total
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--budget-s", type=float, required=True)
+    parser.add_argument("--wall-s", type=float, required=True)
+    parser.add_argument("--phase", nargs=3, action="append", metavar=("NAME", "RC", "JUNIT"))
+    args = parser.parse_args(argv)
+
+    total, ok = Counts(), True
+    for name, rc_text, junit in args.phase or []:
+        rc, report = int(rc_text), Path(junit)
+        if not report.exists():
+            print(f"phase {name}: pytest exited {rc} and wrote no report", flush=True)
+            ok = False
+            continue
+        counts = read_junit(report)
+        total += counts
+        print(f"phase {name}: {counts.line()} (pytest exit {rc})")
+        ok &= rc in (0, NO_TESTS_COLLECTED)
+    if total.ran == 0:
+        print("no test ran")
+        ok = False
+    within = args.wall_s <= args.budget_s
+    print(
+        f"suite wall time {args.wall_s:.0f} s of a {args.budget_s:.0f} s budget"
+        + ("" if within else ": OVER BUDGET (docs/testing.md says what to do)")
+    )
+    print(f"suite: {total.line()}")
+    return 0 if ok and within else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
