@@ -27,8 +27,7 @@ from typing import Annotated, Any, TypeVar
 
 import msgspec
 
-from slurmft.db.ingest import HeartbeatReport, StepTimeReport
-from slurmft.db.models import EventKind, FaultClass
+from slurmft.core.kinds import EventKind, FaultClass
 from slurmft.errors import SlurmftError
 
 PROTOCOL_VERSION = 1
@@ -153,44 +152,11 @@ class TimeReply(_Payload, frozen=True):
         return _decode(cls, payload, "time")
 
 
-# --- conversion to what the store writes ---------------------------------------------------------
+# --- wire times ----------------------------------------------------------------------------------
 
 
 def utc(seconds: float) -> datetime:
     return datetime.fromtimestamp(seconds, UTC)
-
-
-def heartbeat_reports(batch: AgentBatch) -> list[HeartbeatReport]:
-    """The store's heartbeat rows. `seq` is the send time in microseconds, not the batch seq:
-    when a spare takes over a rank, its agent's batch numbers start again at 1, but the rank's
-    newest heartbeat must still win (clock skew between nodes is checked to stay under 1 s)."""
-    return [
-        HeartbeatReport(
-            rank=hb.rank,
-            node=batch.node,
-            phase=hb.phase,
-            step=hb.step,
-            seq=round(hb.sent_at * 1_000_000),
-            sent_at=utc(hb.sent_at),
-            progress_age_s=hb.progress_age_s,
-            deadline_s=hb.deadline_s,
-        )
-        for hb in batch.heartbeats
-    ]
-
-
-def step_time_reports(batch: AgentBatch) -> list[StepTimeReport]:
-    return [
-        StepTimeReport(
-            rank=st.rank,
-            step=st.step,
-            compute_s=st.compute_s,
-            wait_s=st.wait_s,
-            ended_at=utc(st.ended_at),
-            peer_group=st.peer_group,
-        )
-        for st in batch.step_times
-    ]
 
 
 # --- strict parsing -------------------------------------------------------------------------

@@ -32,8 +32,8 @@ from slurmft.agent.probe import NoGpuProbe, Probe
 from slurmft.agent.procs import is_alive, kill_tree
 from slurmft.agent.reporter import HttpTransport, Reporter, RetryableError
 from slurmft.agent.sightings import SightingLog
-from slurmft.controller.budget import Seen, named_round, round_key
-from slurmft.db.models import EventKind, FaultClass
+from slurmft.core.budget import Seen, named_round, round_key
+from slurmft.core.kinds import EventKind, FaultClass
 from slurmft.protocol import AgentEvent, Command, CommandKind, RankHeartbeat
 
 log = logging.getLogger("slurmft.agent")

@@ -23,22 +23,14 @@ from dataclasses import asdict, dataclass, field
 from enum import IntEnum
 from pathlib import Path
 
-from slurmft.controller.budget import Restart, RestartBudget, progress_label
-from slurmft.db.models import FaultClass
+from slurmft.core.budget import Restart, RestartBudget, progress_label
+from slurmft.core.kinds import FaultClass
 from slurmft.slurm.api import NodeInfo, SubmitRequest
 from slurmft.slurm.hostlist import compress
 from slurmft.slurm.script import render_batch_script
 
 STATE_FILE = "slurmft-batch-state.json"
 SRUN_IMMEDIATE_S = 60
-
-
-class BatchExit(IntEnum):
-    """What the batch step's exit code tells the controller."""
-
-    FINISHED = 0  # training ended with success
-    GIVE_UP = 3  # the restart budget is spent: a crash loop, stop the run
-    REQUEUE = 4  # fewer than N usable nodes (or time is up): requeue me (tried myself first)
 
 
 @dataclass(frozen=True)
@@ -299,7 +291,7 @@ def after_step(  # noqa: PLR0917 (the step's whole result)
             f"training finished (agent step exit {returncode}: "
             f"{', '.join(f'{n} {o.lower()}' for n, o in sorted(others.items())) or 'no outcome'})",
         )
-    # The daemon's own rule (slurmft.controller.budget), so the two never disagree.
+    # The daemon's own rule (slurmft.core.budget), so the two never disagree.
     budget = state.charged(spec.max_restarts_without_progress).charge(
         Restart(FaultClass.UNKNOWN, progress=checkpoint or None)
     )

@@ -26,7 +26,6 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from slurmft.agent.batch import (
-    BatchExit,
     BatchSpec,
     BudgetState,
     Move,
@@ -40,7 +39,8 @@ from slurmft.agent.batch import (
 )
 from slurmft.agent.sightings import charge_step, read_step
 from slurmft.agent.store import StoreSupervisor
-from slurmft.controller.budget import RestartBudget, Seen, Sighting
+from slurmft.core.budget import RestartBudget, Seen, Sighting
+from slurmft.core.exits import BatchExit
 from slurmft.slurm.api import SignalTarget, SlurmClient, SlurmError
 
 log = logging.getLogger("slurmft.batch")

@@ -15,7 +15,7 @@ import socket
 from dataclasses import dataclass, field
 from typing import Any
 
-from slurmft.db.models import EventKind, FaultClass
+from slurmft.core.kinds import EventKind, FaultClass
 from slurmft.protocol import AgentEvent, RankHeartbeat, RankStepTime
 from slurmft.train.report import MAX_MESSAGE_BYTES, decode
 

@@ -15,7 +15,7 @@ joins, it
 
 It only reads the state torch keeps (`_state_holder.state.round`); whatever it cannot read, it
 leaves alone and torch runs unchanged: the agent then falls back to grouping reports by time
-(slurmft.controller.budget).
+(slurmft.core.budget).
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ from collections.abc import Iterable
 from datetime import UTC, datetime
 from pathlib import Path
 
-from slurmft.controller.budget import (
+from slurmft.core.budget import (
     FAILURE_REPORTS,
     RestartBudget,
     Seen,

@@ -11,18 +11,18 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from slurmft.agent.agent import AgentSettings, NodeAgent
-from slurmft.agent.batch import write_step_outcome
-from slurmft.agent.command import TorchrunSpec
-from slurmft.agent.probe import NodeGpuProbe
-from slurmft.agent.store import StoreSupervisor
 from slurmft.cli.context import state
 from slurmft.config import ConfigError
-from slurmft.gpu.probe import GpuProbe
+
+if TYPE_CHECKING:
+    from slurmft.agent.agent import NodeAgent
+
+# Each command imports the part of the node side it runs, so that `slurmft --version`, `--help`
+# and the other command groups start without loading the agent.
 
 app = typer.Typer(
     help="Run on compute nodes: the node agent and the rendezvous store.", no_args_is_help=True
@@ -82,6 +82,12 @@ def run(  # noqa: PLR0917 (typer: one parameter per option)
     index = _default_node_index() if node_index is None else node_index
     node = node_name or _default_node_name()
     _setup_logging(node, config["log.level"])
+    from slurmft.agent.agent import AgentSettings, NodeAgent
+    from slurmft.agent.batch import write_step_outcome
+    from slurmft.agent.command import TorchrunSpec
+    from slurmft.agent.probe import NodeGpuProbe
+    from slurmft.gpu.probe import GpuProbe
+
     spec = TorchrunSpec(
         nodes=nodes,
         nproc_per_node=nproc_per_node,
@@ -144,6 +150,8 @@ def store(
     stopped = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stopped.set())
+    from slurmft.agent.store import StoreSupervisor
+
     supervisor = StoreSupervisor(host, port).start()
     typer.echo(f"rendezvous store on {supervisor.endpoint}", err=True)
     try:

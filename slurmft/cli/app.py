@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from slurmft import __version__
+import slurmft
 from slurmft.cli import (
     agent_cmd,
     config_cmd,
@@ -42,7 +42,7 @@ report_cmd.register(app)
 
 def _version(value: bool) -> None:
     if value:
-        typer.echo(f"slurmft {__version__}")
+        typer.echo(f"slurmft {slurmft.__version__}")  # read on use: importlib.metadata
         raise typer.Exit()
 
 

@@ -8,7 +8,6 @@ import typer
 
 from slurmft.cli.context import echo_json, state
 from slurmft.config import reference_markdown
-from slurmft.db.database import normalize_url
 
 app = typer.Typer(help="Inspect the effective configuration.", no_args_is_help=True)
 
@@ -23,7 +22,7 @@ def show(
     resolved = {
         "state_dir": str(config.state_dir),
         "runtime_dir": str(config.runtime_dir),
-        "database_url": normalize_url(config.database_url).render_as_string(hide_password=True),
+        "database_url": _redacted_url(config.database_url),
     }
     if as_json:
         echo_json({"settings": config.as_dict(), "resolved": resolved})
@@ -34,6 +33,12 @@ def show(
     typer.echo("")
     for key, value in resolved.items():
         typer.echo(f"{key:<{width}}  {value}")
+
+
+def _redacted_url(url: str) -> str:
+    from slurmft.db.database import normalize_url  # SQLAlchemy only for `config show`
+
+    return normalize_url(url).render_as_string(hide_password=True)
 
 
 @app.command("reference")

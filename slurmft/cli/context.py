@@ -5,12 +5,16 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import typer
 
 from slurmft.config import Config, load_config
-from slurmft.db import Database
+
+if TYPE_CHECKING:
+    # The store (SQLAlchemy, Alembic) is loaded by the commands that use it, not by every
+    # `slurmft` start: `slurmft --version` and the node agent never touch it.
+    from slurmft.db import Database
 
 
 @dataclass
@@ -26,6 +30,8 @@ class CliState:
         return self._config
 
     def database(self) -> Database:
+        from slurmft.db import Database
+
         return Database.from_config(self.config)
 
 

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from slurmft.cli.context import echo_json, state
-from slurmft.gpu import GpuProbe, ProbeReport
+
+if TYPE_CHECKING:
+    from slurmft.gpu import ProbeReport
 
 app = typer.Typer(
     help="GPU health on this node (NVML, kernel-log Xids, DCGM).", no_args_is_help=True
@@ -24,6 +26,8 @@ def status(
     ] = False,
 ) -> None:
     """Print every probe source, its status and the faults it sees, with their classification."""
+    from slurmft.gpu import GpuProbe
+
     since = 0.0 if since_boot else None
     with GpuProbe.from_config(state(ctx).config, since_monotonic_s=since) as probe:
         report = probe.check()

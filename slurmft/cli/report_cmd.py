@@ -12,7 +12,7 @@ from typing import Annotated
 import typer
 
 from slurmft.cli.context import echo_json, state
-from slurmft.report.steps import DEFAULT_MAX_COLUMNS, load_step_picture
+from slurmft.report import DEFAULT_MAX_COLUMNS
 
 
 def report(
@@ -34,6 +34,8 @@ def report(
     cli = state(ctx)
     database = cli.database()
     database.require_current()
+    from slurmft.report.steps import load_step_picture  # the store's queries: SQLAlchemy
+
     with database.session() as session:
         picture = load_step_picture(session, run_id, max_columns=max_columns)
     database.dispose()

@@ -18,7 +18,6 @@ from datetime import timedelta
 from typing import Any
 
 from slurmft.config import Config
-from slurmft.controller.budget import Restart
 from slurmft.controller.detect import find_hangs, find_stragglers, find_unresponsive
 from slurmft.controller.views import (
     Action,
@@ -38,8 +37,9 @@ from slurmft.controller.views import (
     RunView,
     SubmitAttempt,
 )
-from slurmft.db.models import EventKind, FaultClass, NodeRole
-from slurmft.db.states import RunState
+from slurmft.core.budget import Restart
+from slurmft.core.kinds import EventKind, FaultClass, NodeRole
+from slurmft.core.states import RunState
 from slurmft.gpu.api import FaultAction
 
 

@@ -49,10 +49,43 @@ from slurmft.protocol import (
     BatchReply,
     Command,
     CommandKind,
-    heartbeat_reports,
-    step_time_reports,
     utc,
 )
+
+# --- the wire's records as the store's rows ----------------------------------------------------
+
+
+def heartbeat_reports(batch: AgentBatch) -> list[HeartbeatReport]:
+    """The store's heartbeat rows. `seq` is the send time in microseconds, not the batch seq:
+    when a spare takes over a rank, its agent's batch numbers start again at 1, but the rank's
+    newest heartbeat must still win (clock skew between nodes is checked to stay under 1 s)."""
+    return [
+        HeartbeatReport(
+            rank=hb.rank,
+            node=batch.node,
+            phase=hb.phase,
+            step=hb.step,
+            seq=round(hb.sent_at * 1_000_000),
+            sent_at=utc(hb.sent_at),
+            progress_age_s=hb.progress_age_s,
+            deadline_s=hb.deadline_s,
+        )
+        for hb in batch.heartbeats
+    ]
+
+
+def step_time_reports(batch: AgentBatch) -> list[StepTimeReport]:
+    return [
+        StepTimeReport(
+            rank=st.rank,
+            step=st.step,
+            compute_s=st.compute_s,
+            wait_s=st.wait_s,
+            ended_at=utc(st.ended_at),
+            peer_group=st.peer_group,
+        )
+        for st in batch.step_times
+    ]
 
 
 class IngestRefused(SlurmftError):

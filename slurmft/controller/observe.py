@@ -12,8 +12,6 @@ from datetime import datetime, timedelta
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from slurmft.agent.batch import BatchExit
-from slurmft.controller.budget import RestartBudget
 from slurmft.controller.detect import RankBeat, RankCompute
 from slurmft.controller.reconcile import reconcile
 from slurmft.controller.step_window import StepWindows
@@ -28,6 +26,8 @@ from slurmft.controller.views import (
     NodeView,
     RunView,
 )
+from slurmft.core.budget import RestartBudget
+from slurmft.core.exits import BatchExit
 from slurmft.db.models import (
     Action,
     ActionKind,

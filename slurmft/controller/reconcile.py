@@ -6,7 +6,7 @@ count for the job rises, the current attempt ended REQUEUED and the next one beg
 same job id. Nothing here decides a recovery: that is ``decide``'s; this only records facts.
 
 The run's restart budget is one of those facts: ``reconcile_budget`` reads it from what the run
-went through (slurmft.controller.budget.budget_from_history) into ``restarts_without_progress``,
+went through (slurmft.core.budget.budget_from_history) into ``restarts_without_progress``,
 which ``decide`` compares with the cap.
 """
 
@@ -19,7 +19,7 @@ from datetime import datetime, timedelta
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from slurmft.controller.budget import (
+from slurmft.core.budget import (
     CAUSE_WINDOW_S,
     ChargedRestart,
     Seen,

@@ -23,12 +23,14 @@ import pwd
 import subprocess
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, fields, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from slurmft.db.models import Run
 from slurmft.slurm import CliSlurmClient
 from slurmft.slurm.api import SlurmError, SubmitRequest
 from slurmft.slurm.runner import CommandResult
+
+if TYPE_CHECKING:
+    from slurmft.db.models import Run
 
 ROOT_UID = 0
 DEFAULT_PATH = "/usr/local/bin:/usr/bin:/bin"

@@ -12,10 +12,10 @@ from datetime import datetime
 from enum import StrEnum
 from typing import Any
 
-from slurmft.controller.budget import RestartBudget
 from slurmft.controller.detect import RankBeat, RankCompute
-from slurmft.db.models import EventKind, FaultClass, NodeRole
-from slurmft.db.states import RunState
+from slurmft.core.budget import RestartBudget
+from slurmft.core.kinds import EventKind, FaultClass, NodeRole
+from slurmft.core.states import RunState
 from slurmft.gpu.api import FaultAction
 
 # --- observations ---------------------------------------------------------------------------

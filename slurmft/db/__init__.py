@@ -1,12 +1,31 @@
-"""The store: typed models, the Database facade, ingest and failure-history queries."""
+"""The store: typed models, the Database facade, ingest and failure-history queries.
 
-from slurmft.db.database import (
-    Database,
-    DatabaseError,
-    DatabaseUnavailable,
-    SchemaOutOfDate,
-)
-from slurmft.db.states import AttemptState, IllegalTransition, RunState
+Importing a submodule (``slurmft.db.history``) does not load the others: the Database facade
+(SQLAlchemy and Alembic) is loaded when it is first named.
+"""
+
+from typing import TYPE_CHECKING
+
+from slurmft._lazy import lazy_exports
+
+if TYPE_CHECKING:
+    from slurmft.db.database import (
+        Database,
+        DatabaseError,
+        DatabaseUnavailable,
+        SchemaOutOfDate,
+    )
+    from slurmft.db.states import AttemptState, IllegalTransition, RunState
+
+_EXPORTS = {
+    "Database": "database",
+    "DatabaseError": "database",
+    "DatabaseUnavailable": "database",
+    "SchemaOutOfDate": "database",
+    "AttemptState": "states",
+    "IllegalTransition": "states",
+    "RunState": "states",
+}
 
 __all__ = [
     "AttemptState",
@@ -17,3 +36,5 @@ __all__ = [
     "RunState",
     "SchemaOutOfDate",
 ]
+
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

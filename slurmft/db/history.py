@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import text
-from sqlalchemy.orm import Session
+if TYPE_CHECKING:
+    from sqlalchemy.orm import Session
 
 
 @dataclass(frozen=True)
@@ -77,6 +77,8 @@ def read_view(
     if limit is not None:
         sql += " LIMIT :limit"
         params["limit"] = limit
+    from sqlalchemy import text  # `slurmft history --help` lists the views without SQLAlchemy
+
     result = session.execute(text(sql), params)
     return [{key: _plain(value) for key, value in row.items()} for row in result.mappings()]
 

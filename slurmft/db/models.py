@@ -33,7 +33,9 @@ from sqlalchemy import (
 from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship, validates
 
-from slurmft.db.states import (
+# The vocabulary lives in slurmft.core (the store maps it); the names stay importable from here.
+from slurmft.core.kinds import ActionKind, ActionStatus, EventKind, FaultClass, NodeRole
+from slurmft.core.states import (
     ATTEMPT_TRANSITIONS,
     RUN_TRANSITIONS,
     AttemptState,
@@ -115,66 +117,6 @@ def _enum(cls: type[enum.Enum], length: int = 32) -> Enum:
         length=length,
         values_callable=lambda members: [m.value for m in members],
     )
-
-
-class NodeRole(enum.StrEnum):
-    ACTIVE = "active"
-    SPARE = "spare"
-
-
-class FaultClass(enum.StrEnum):
-    """Why a restart happened; restarts are counted per class."""
-
-    HARDWARE = "hardware"  # a node or GPU failed
-    HANG = "hang"
-    STRAGGLER = "straggler"
-    USER_CODE = "user_code"
-    PREEMPTION = "preemption"
-    TIME_LIMIT = "time_limit"
-    INFRASTRUCTURE = "infrastructure"  # rendezvous store, report channel, Slurm itself
-    UNKNOWN = "unknown"
-
-
-class EventKind(enum.StrEnum):
-    RANK_FAILURE = "rank_failure"
-    NODE_LOST = "node_lost"
-    GPU_FAULT = "gpu_fault"
-    HANG = "hang"
-    STRAGGLER = "straggler"
-    BATCH_HOST_DOWN = "batch_host_down"
-    PREFLIGHT_FAILED = "preflight_failed"
-    CHANNEL_SILENT = "channel_silent"
-    PREEMPTED = "preempted"
-    TIME_LIMIT = "time_limit"
-    COLLECTIVE_ERROR = "collective_error"  # a rank saw a peer fail: evidence, not a failure
-    RESTART = "restart"  # workers restarted (in place, spare joined, new step, requeue, new job)
-    CHECKPOINT = "checkpoint"  # a verified checkpoint: progress
-
-
-class ActionKind(enum.StrEnum):
-    SUBMIT = "submit"
-    DRAIN_NODE = "drain_node"
-    RESUME_NODE = "resume_node"
-    DOWN_NODE = "down_node"
-    EVICT_NODE = "evict_node"
-    AGENT_LEAVE = "agent_leave"
-    RESTART_WORKERS = "restart_workers"
-    REQUEUE = "requeue"
-    RESUBMIT = "resubmit"
-    CANCEL = "cancel"
-    SIGNAL = "signal"
-    STOP_RUN = "stop_run"
-    FINISH_RUN = "finish_run"
-    NOTIFY = "notify"
-    DENYLIST_ADD = "denylist_add"
-    DENYLIST_REMOVE = "denylist_remove"
-
-
-class ActionStatus(enum.StrEnum):
-    PLANNED = "planned"
-    DONE = "done"
-    FAILED = "failed"
-    SKIPPED = "skipped"  # observe-only mode, or not permitted (recorded with the reason)
 
 
 class Base(DeclarativeBase):

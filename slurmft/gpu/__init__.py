@@ -31,22 +31,53 @@ or ``probe.watch(on_fault, stop_event, interval_s)`` for a thread that does the 
   make a lemon only across different runs.
 """
 
-from slurmft.gpu.api import (
-    FaultAction,
-    FaultKind,
-    GpuFault,
-    ProbeSource,
-    SourceReport,
-    SourceStatus,
-)
-from slurmft.gpu.dcgm import DcgmSource, parse_dcgmi_health
-from slurmft.gpu.inject import InjectionSource
-from slurmft.gpu.kernel_log import XidParser, XidRecord, parse_xid_lines
-from slurmft.gpu.kmsg import KernelLogSource
-from slurmft.gpu.lemons import LemonVerdict, XidOccurrence, judge_lemons
-from slurmft.gpu.nvml import NvmlSource
-from slurmft.gpu.probe import GpuProbe, ProbeReport
-from slurmft.gpu.xids import APPLICATION_XIDS, XID_TABLE, XidVerdict, classify_xid
+from typing import TYPE_CHECKING
+
+from slurmft._lazy import lazy_exports
+
+if TYPE_CHECKING:
+    from slurmft.gpu.api import (
+        FaultAction,
+        FaultKind,
+        GpuFault,
+        ProbeSource,
+        SourceReport,
+        SourceStatus,
+    )
+    from slurmft.gpu.dcgm import DcgmSource, parse_dcgmi_health
+    from slurmft.gpu.inject import InjectionSource
+    from slurmft.gpu.kernel_log import XidParser, XidRecord, parse_xid_lines
+    from slurmft.gpu.kmsg import KernelLogSource
+    from slurmft.gpu.lemons import LemonVerdict, XidOccurrence, judge_lemons
+    from slurmft.gpu.nvml import NvmlSource
+    from slurmft.gpu.probe import GpuProbe, ProbeReport
+    from slurmft.gpu.xids import APPLICATION_XIDS, XID_TABLE, XidVerdict, classify_xid
+
+_EXPORTS = {
+    "FaultAction": "api",
+    "FaultKind": "api",
+    "GpuFault": "api",
+    "ProbeSource": "api",
+    "SourceReport": "api",
+    "SourceStatus": "api",
+    "DcgmSource": "dcgm",
+    "parse_dcgmi_health": "dcgm",
+    "InjectionSource": "inject",
+    "XidParser": "kernel_log",
+    "XidRecord": "kernel_log",
+    "parse_xid_lines": "kernel_log",
+    "KernelLogSource": "kmsg",
+    "LemonVerdict": "lemons",
+    "XidOccurrence": "lemons",
+    "judge_lemons": "lemons",
+    "NvmlSource": "nvml",
+    "GpuProbe": "probe",
+    "ProbeReport": "probe",
+    "APPLICATION_XIDS": "xids",
+    "XID_TABLE": "xids",
+    "XidVerdict": "xids",
+    "classify_xid": "xids",
+}
 
 __all__ = [
     "APPLICATION_XIDS",
@@ -73,3 +104,5 @@ __all__ = [
     "parse_dcgmi_health",
     "parse_xid_lines",
 ]
+
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

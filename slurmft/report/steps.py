@@ -34,9 +34,9 @@ from slurmft.db.models import (
 )
 from slurmft.db.retention import quantile
 from slurmft.errors import SlurmftError
+from slurmft.report import DEFAULT_MAX_COLUMNS
 
 FLAG_KINDS = (EventKind.STRAGGLER, EventKind.HANG)
-DEFAULT_MAX_COLUMNS = 400
 
 
 class NoStepTimes(SlurmftError):

@@ -30,8 +30,7 @@ loaded on first use.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from slurmft._lazy import lazy_exports
 
 _EXPORTS = {
     "BatchPlan": "batching",
@@ -103,9 +102,4 @@ __all__ = [
     "restore_rng_state",
 ]
 
-
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'slurmft.train' has no attribute {name!r}")
-    return getattr(importlib.import_module(f"slurmft.train.{module}"), name)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

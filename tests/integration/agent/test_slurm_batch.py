@@ -33,9 +33,10 @@ from agent_cluster import wait_for
 from slurm_clusters import CLUSTER_SCRIPT, own_cluster
 from unix_users import TestUsers, UnixUser
 
-from slurmft.agent.batch import BatchExit, BatchSpec, submit_request
+from slurmft.agent.batch import BatchSpec, submit_request
 from slurmft.agent.sightings import read_step
-from slurmft.controller.budget import Seen
+from slurmft.core.budget import Seen
+from slurmft.core.exits import BatchExit
 from slurmft.slurm.api import JobInfo, SlurmError
 from slurmft.slurm.cli_backend import CliSlurmClient
 

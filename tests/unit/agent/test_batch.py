@@ -154,7 +154,7 @@ def test_budget_survives_a_requeue_in_the_checkpoint_directory(tmp_path: Path) -
 
 def test_the_batch_step_and_the_daemon_share_one_budget() -> None:
     """A script that always crashes: both stop it after the same number of restarts."""
-    from slurmft.controller.budget import Restart, RestartBudget
+    from slurmft.core.budget import Restart, RestartBudget
     from slurmft.db.models import FaultClass
 
     state, launches = BudgetState(), 0

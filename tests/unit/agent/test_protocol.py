@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from slurmft.controller.ingest import heartbeat_reports, step_time_reports
 from slurmft.protocol import (
     AgentBatch,
     AgentEvent,
@@ -17,8 +18,6 @@ from slurmft.protocol import (
     RankHeartbeat,
     RankStepTime,
     TimeReply,
-    heartbeat_reports,
-    step_time_reports,
 )
 
 T0 = 1_800_000_000.25

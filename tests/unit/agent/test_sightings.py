@@ -22,7 +22,7 @@ from slurmft.agent.sightings import (
     read_step,
     sightings_path,
 )
-from slurmft.controller.budget import RestartBudget, Seen, Sighting, budget_from_history
+from slurmft.core.budget import RestartBudget, Seen, Sighting, budget_from_history
 from slurmft.db.models import EventKind
 from slurmft.protocol import AgentEvent, RankHeartbeat
 

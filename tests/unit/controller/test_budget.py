@@ -5,7 +5,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from slurmft.controller.budget import (
+from slurmft.core.budget import (
     Restart,
     RestartBudget,
     Seen,

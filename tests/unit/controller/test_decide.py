@@ -7,7 +7,6 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from slurmft.controller.budget import Restart, RestartBudget
 from slurmft.controller.decide import Policy, TrustPolicy, decide
 from slurmft.controller.detect import RankBeat, RankCompute
 from slurmft.controller.views import (
@@ -31,6 +30,7 @@ from slurmft.controller.views import (
     RunView,
     SubmitAttempt,
 )
+from slurmft.core.budget import Restart, RestartBudget
 from slurmft.db.models import EventKind, FaultClass, NodeRole
 from slurmft.db.states import RunState
 from slurmft.gpu.api import FaultAction

@@ -28,7 +28,7 @@ from datetime import datetime, timedelta
 from enum import StrEnum
 from typing import Any
 
-from slurmft.db.models import FaultClass
+from slurmft.core.kinds import FaultClass
 
 FREE_CLASSES = frozenset({FaultClass.PREEMPTION, FaultClass.TIME_LIMIT})
 

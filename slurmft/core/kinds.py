@@ -1,0 +1,76 @@
+"""What happened and what was done about it: the stored values of events and actions.
+
+Every value here is stored (as its string, without a CHECK constraint: a new member needs no
+migration) and sent on the wire; a value never changes once released.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class NodeRole(enum.StrEnum):
+    """A node's part in an attempt's allocation."""
+
+    ACTIVE = "active"  # trains
+    SPARE = "spare"  # waits in the rendezvous to take a lost node's place
+
+
+class FaultClass(enum.StrEnum):
+    """Why a restart happened; restarts are counted per class."""
+
+    HARDWARE = "hardware"  # a node or GPU failed
+    HANG = "hang"
+    STRAGGLER = "straggler"
+    USER_CODE = "user_code"
+    NUMERICAL = "numerical"  # the loss or the gradients went non-finite
+    PREEMPTION = "preemption"
+    TIME_LIMIT = "time_limit"
+    INFRASTRUCTURE = "infrastructure"  # rendezvous store, report channel, Slurm itself
+    UNKNOWN = "unknown"
+
+
+class EventKind(enum.StrEnum):
+    """Something observed about a run: a failure, evidence of one, or progress."""
+
+    RANK_FAILURE = "rank_failure"
+    NODE_LOST = "node_lost"
+    GPU_FAULT = "gpu_fault"
+    HANG = "hang"
+    STRAGGLER = "straggler"
+    BATCH_HOST_DOWN = "batch_host_down"
+    PREFLIGHT_FAILED = "preflight_failed"
+    CHANNEL_SILENT = "channel_silent"
+    PREEMPTED = "preempted"
+    TIME_LIMIT = "time_limit"
+    COLLECTIVE_ERROR = "collective_error"  # a rank saw a peer fail: evidence, not a failure
+    RESTART = "restart"  # workers restarted (in place, spare joined, new step, requeue, new job)
+    CHECKPOINT = "checkpoint"  # a verified checkpoint: progress
+
+
+class ActionKind(enum.StrEnum):
+    """Something the daemon did (or planned, or was not allowed to do), always with a reason."""
+
+    SUBMIT = "submit"
+    DRAIN_NODE = "drain_node"
+    RESUME_NODE = "resume_node"
+    DOWN_NODE = "down_node"
+    EVICT_NODE = "evict_node"
+    AGENT_LEAVE = "agent_leave"
+    RESTART_WORKERS = "restart_workers"
+    REQUEUE = "requeue"
+    RESUBMIT = "resubmit"
+    CANCEL = "cancel"
+    SIGNAL = "signal"
+    STOP_RUN = "stop_run"
+    FINISH_RUN = "finish_run"
+    NOTIFY = "notify"
+    DENYLIST_ADD = "denylist_add"
+    DENYLIST_REMOVE = "denylist_remove"
+
+
+class ActionStatus(enum.StrEnum):
+    PLANNED = "planned"
+    DONE = "done"
+    FAILED = "failed"
+    SKIPPED = "skipped"  # observe-only mode, or not permitted (recorded with the reason)
