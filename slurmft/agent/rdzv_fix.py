@@ -16,8 +16,10 @@ loss, a spare waiting for a free rank) syncs the state, then sleeps one second, 
 (`_delay(seconds=1)` in `_DistributedRendezvousOpExecutor.run`); and a sync with nothing to write
 serves a cached state for one second (`_BackendRendezvousStateHolder`'s `cache_duration`, 1 in
 `from_backend`). A recovery waits for several such polls in a row (the dead node's expiry, the
-spare's join, the others seeing the round complete). `apply` can shorten both to the same poll;
-the rendezvous logic, the keep-alive heartbeats and their expiry are unchanged.
+spare's join, the others seeing the round complete). `apply` can shorten both to the same poll,
+the cache only while the agent is inside `next_rendezvous` (a trained round keeps torch's one
+second: its monitor loop reads the state ten times a second); the rendezvous logic, the
+keep-alive heartbeats and their expiry are unchanged.
 
 The gate: the fix wraps four torch internals and assumes the names it reads. `check_internals`
 verifies the names and a fingerprint of each wrapped function's source; on any difference the
@@ -58,6 +60,7 @@ KNOWN_DELAY_CALLS = ("_delay(seconds=1)", "_delay(seconds=(0, 0.3))")
 # Names the fix reads besides the wrapped functions.
 REQUIRED_NAMES = (
     "_Action.ADD_TO_REDUNDANCY_LIST",
+    "DynamicRendezvousHandler.next_rendezvous",
     "DynamicRendezvousHandler.settings",
     "_RendezvousState",
 )
@@ -150,17 +153,26 @@ def _shorten_poll(module: ModuleType, poll_s: float) -> None:
         # Only the poll sleeps exactly one second (check_delay_calls); the skew is a tuple.
         original_delay(poll_s if seconds == TORCH_POLL_S else seconds)
 
-    holder_cls = module._BackendRendezvousStateHolder
-    original_init = holder_cls.__init__
+    handler_cls = module.DynamicRendezvousHandler
+    original_next_rendezvous = handler_cls.next_rendezvous
 
-    @functools.wraps(original_init)
-    def init(self: Any, *args: Any, **kwargs: Any) -> None:
-        original_init(self, *args, **kwargs)
-        # A cached state older than one poll would make the shorter poll read nothing new.
-        self._cache_duration = min(self._cache_duration, poll_s)
+    @functools.wraps(original_next_rendezvous)
+    def next_rendezvous(self: Any, *args: Any, **kwargs: Any) -> Any:
+        # A cached state older than one poll would make the shorter poll read nothing new; but
+        # only a rendezvous in progress needs it. While the workers train, the monitor loop asks
+        # num_nodes_waiting() every 0.1 s (torchrun's --monitor-interval): with a short cache
+        # each ask is a store round trip, about 10% of a core per agent and more on the store,
+        # for nothing a recovery waits on (a lost peer fails the workers, which ends training).
+        holder = self._state_holder
+        training_cache_s = holder._cache_duration
+        holder._cache_duration = min(training_cache_s, poll_s)
+        try:
+            return original_next_rendezvous(self, *args, **kwargs)
+        finally:
+            holder._cache_duration = training_cache_s
 
     module._delay = delay
-    holder_cls.__init__ = init
+    handler_cls.next_rendezvous = next_rendezvous
     setattr(module, _POLL_MARK, poll_s)
 
 

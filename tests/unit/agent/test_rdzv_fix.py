@@ -144,6 +144,10 @@ POLL = textwrap.dedent(
     from datetime import timedelta
     from slurmft.agent import rdzv_fix
     d = rdzv_fix.load_module()
+    inside = []  # the state cache while a rendezvous is in progress
+    def next_rendezvous(self):
+        inside.append(self._state_holder._cache_duration)
+    d.DynamicRendezvousHandler.next_rendezvous = next_rendezvous  # before apply wraps it
     if len(sys.argv) > 1:
         rdzv_fix.apply(d, float(sys.argv[1]))
     slept = []
@@ -152,7 +156,11 @@ POLL = textwrap.dedent(
     d._delay(seconds=(0.2, 0.2))  # the first round's skew
     settings = d.RendezvousSettings("r", 3, 3, d.RendezvousTimeout(), timedelta(seconds=1), 4)
     holder = d._BackendRendezvousStateHolder(None, settings)
-    print(*slept, holder._cache_duration, rdzv_fix.poll_interval(d))
+    handler = d.DynamicRendezvousHandler.__new__(d.DynamicRendezvousHandler)
+    handler._state_holder = holder
+    handler.next_rendezvous()
+    # sleeps, the cache inside a rendezvous, the cache while training, the poll
+    print(*slept, *inside, holder._cache_duration, rdzv_fix.poll_interval(d))
     """
 )
 
@@ -170,15 +178,16 @@ def poll_seen(*poll_s: str) -> list[str]:
 
 
 def test_torch_alone_polls_and_caches_the_state_for_one_second() -> None:
-    assert poll_seen() == ["1", "0.2", "1", "1.0"]
+    assert poll_seen() == ["1", "0.2", "1", "1", "1.0"]
 
 
-def test_the_shorter_poll_shortens_the_sync_sleep_and_the_cache_only() -> None:
-    assert poll_seen("0.1") == ["0.1", "0.2", "0.1", "0.1"]
+def test_the_shorter_poll_shortens_the_sync_sleep_and_the_cache_inside_a_rendezvous_only() -> None:
+    # While the workers train, the monitor loop's num_nodes_waiting() keeps torch's cache.
+    assert poll_seen("0.1") == ["0.1", "0.2", "0.1", "1", "0.1"]
 
 
 def test_a_poll_of_torchs_own_second_changes_nothing() -> None:
-    assert poll_seen("1") == ["1", "0.2", "1", "1.0"]
+    assert poll_seen("1") == ["1", "0.2", "1", "1", "1.0"]
 
 
 @pytest.mark.parametrize("poll_s", [0.0, -1.0, 1.5])
