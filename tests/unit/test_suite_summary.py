@@ -1,0 +1,86 @@
+"""scripts/lib/suite_summary.py: both phases of scripts/test added up, and the time budget."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "lib" / "suite_summary.py"
+
+
+def load() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("suite_summary", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["suite_summary"] = module  # dataclasses look the module up by name
+    spec.loader.exec_module(module)
+    return module
+
+
+def junit(path: Path, tests: int, failures: int = 0, errors: int = 0, skipped: int = 0) -> str:
+    # The shape pytest's --junitxml writes: one <testsuite> in a <testsuites>.
+    path.write_text(
+        '<?xml version="1.0" encoding="utf-8"?><testsuites name="pytest tests">'
+        f'<testsuite name="pytest" errors="{errors}" failures="{failures}" '
+        f'skipped="{skipped}" tests="{tests}" time="1.0"></testsuite></testsuites>'
+    )
+    return str(path)
+
+
+def run(tmp_path: Path, *phases: tuple[str, int, dict[str, int] | None], wall_s: float = 10):
+    summary = load()
+    argv = ["--budget-s", "100", "--wall-s", str(wall_s)]
+    for name, rc, counts in phases:
+        report = tmp_path / f"{name}.xml"
+        path = junit(report, **counts) if counts is not None else str(report)
+        argv += ["--phase", name, str(rc), path]
+    return summary.main(argv)
+
+
+def test_both_phases_are_added_up_in_one_closing_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = run(
+        tmp_path,
+        ("parallel", 0, {"tests": 10, "skipped": 1}),
+        ("serial", 0, {"tests": 3}),
+    )
+    lines = capsys.readouterr().out.splitlines()
+    assert code == 0
+    assert lines[-1] == "suite: 12 passed, 0 failed, 1 skipped"
+    assert lines[-2] == "suite wall time 10 s of a 100 s budget"
+
+
+def test_a_failure_or_an_error_in_either_phase_fails_the_suite(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = run(
+        tmp_path,
+        ("parallel", 1, {"tests": 10, "failures": 1, "errors": 1}),
+        ("serial", 0, {"tests": 3}),
+    )
+    assert code == 1
+    assert capsys.readouterr().out.splitlines()[-1] == "suite: 11 passed, 2 failed, 0 skipped"
+
+
+def test_a_phase_the_arguments_left_empty_is_fine_but_no_test_at_all_is_not(
+    tmp_path: Path,
+) -> None:
+    one_empty = (("parallel", 5, {"tests": 0}), ("serial", 0, {"tests": 2}))
+    assert run(tmp_path, *one_empty) == 0
+    assert run(tmp_path, ("parallel", 5, {"tests": 0}), ("serial", 5, {"tests": 0})) == 1
+
+
+def test_a_crashed_phase_without_a_report_fails(tmp_path: Path) -> None:
+    assert run(tmp_path, ("parallel", 3, None), ("serial", 0, {"tests": 2})) == 1
+
+
+def test_over_the_budget_fails_even_when_every_test_passed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert run(tmp_path, ("parallel", 0, {"tests": 5}), wall_s=101) == 1
+    assert "OVER BUDGET" in capsys.readouterr().out
