@@ -323,9 +323,13 @@ def _node_views(
     nodes: Mapping[str, NodeInfo],
 ) -> tuple[NodeView, ...]:
     roles = {n.node: n.role for n in attempt.nodes} if attempt else {}
+    # The nodes Slurm gave the attempt, as first seen running: a node the job lost while the
+    # daemon was down (or between recording the loss and acting on it) is no longer held, and
+    # only this list still names it.
+    started_with = set(attempt.nodelist.split(",")) if attempt and attempt.nodelist else set()
     held = set(info.nodes) if info and info.state.holds_nodes else set()
     views = []
-    for name in sorted(held | set(roles)):
+    for name in sorted(held | set(roles) | started_with):
         # A node the job no longer holds was taken away from it (shrunk under --no-kill).
         condition = node_condition(nodes.get(name)) if name in held else NodeCondition.LOST
         views.append(NodeView(name, roles.get(name, NodeRole.ACTIVE), condition))

@@ -11,13 +11,15 @@ import pytest
 
 from slurmft.controller.observe import (
     StepSample,
+    _node_views,
     batch_exit,
     job_end,
     job_view,
     node_condition,
     rank_compute,
 )
-from slurmft.controller.views import JobEnd, JobPhase, NodeCondition
+from slurmft.controller.views import JobEnd, JobPhase, NodeCondition, NodeView
+from slurmft.db.models import Attempt, NodeRole
 from slurmft.slurm.api import JobInfo
 from slurmft.slurm.parse import job_from_scontrol, parse_scontrol_records, parse_sinfo_nodes
 from slurmft.slurm.states import JobState
@@ -119,3 +121,14 @@ def test_rank_compute_buckets_per_minute_medians() -> None:
         (1, (1.3, 1.3, 1.3)),
         (2, (1.0, 1.0, 1.0)),
     ]
+
+
+def test_a_node_the_shrunk_job_no_longer_holds_is_lost_when_only_the_nodelist_names_it() -> None:
+    """The daemon recorded n2's loss and was killed before it took n2 out of the run; when it
+    is back, Slurm has shrunk the job to n1,n3,n4 and only the attempt's first-seen nodelist
+    still names n2. Seen in the suite under load; before, n2 vanished from the view."""
+    attempt = Attempt(run_id="r1", number=1, slurm_job_id="11", nodelist="n1,n2,n3,n4")
+    shrunk = JobInfo("11", JobState.RUNNING, nodes=("n1", "n3", "n4"), batch_host="n1")
+    views = _node_views(None, attempt, shrunk, {})  # type: ignore[arg-type]
+    assert NodeView("n2", NodeRole.ACTIVE, NodeCondition.LOST) in views
+    assert [v.name for v in views] == ["n1", "n2", "n3", "n4"]
