@@ -20,6 +20,7 @@ import pytest
 # tests/ has no packages (importlib import mode): its helper modules are imported by path.
 sys.path.insert(0, str(Path(__file__).parent))
 
+from slurm_clusters import xdist_worker_index
 from unix_users import TestUsers, make_test_users, missing_users
 
 COMPONENTS = ("slurm", "postgres", "torch", "users")
@@ -73,14 +74,13 @@ def use_the_workers_cluster() -> None:
     SLURMFT_TEST_CLUSTER_ROOTS; worker gwN points SLURM_CONF (which every Slurm test and helper
     reads) at the Nth. Two workers on one cluster would see each other's jobs, drains and node
     kills, so a worker without a cluster of its own stops the session."""
-    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    index = xdist_worker_index()
     roots = os.environ.get("SLURMFT_TEST_CLUSTER_ROOTS", "").split()
-    if worker is None or not roots:
+    if index is None or not roots:
         return
-    index = int(worker.removeprefix("gw"))
     if index >= len(roots):
         pytest.exit(
-            f"worker {worker} has no Slurm cluster of its own: SLURMFT_TEST_CLUSTER_ROOTS lists "
+            f"worker gw{index} has no Slurm cluster of its own: SLURMFT_TEST_CLUSTER_ROOTS lists "
             f"{len(roots)} (start one per worker, as scripts/test does)",
             returncode=4,
         )

@@ -28,11 +28,16 @@ MAX_WORKERS = 16  # scripts/test allows SLURMFT_TEST_WORKERS up to this
 _started = itertools.count()
 
 
-def worker_slot() -> int:
-    """This process's xdist worker number (gwN -> N); a run without xdist takes the slot after
-    the last worker's."""
+def xdist_worker_index() -> int | None:
+    """This process's pytest-xdist worker number (gwN -> N), None outside xdist."""
     worker = os.environ.get("PYTEST_XDIST_WORKER")
-    return int(worker.removeprefix("gw")) if worker else MAX_WORKERS
+    return None if worker is None else int(worker.removeprefix("gw"))
+
+
+def worker_slot() -> int:
+    """The worker's number; a run without xdist takes the slot after the last worker's."""
+    index = xdist_worker_index()
+    return MAX_WORKERS if index is None else index
 
 
 def own_cluster_port() -> int:

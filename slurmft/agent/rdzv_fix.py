@@ -161,7 +161,7 @@ def _shorten_poll(module: ModuleType, poll_s: float) -> None:
         # A cached state older than one poll would make the shorter poll read nothing new; but
         # only a rendezvous in progress needs it. While the workers train, the monitor loop asks
         # num_nodes_waiting() every 0.1 s (torchrun's --monitor-interval): with a short cache
-        # each ask is a store round trip, about 10% of a core per agent and more on the store,
+        # each ask is a store round trip, ten a second per agent on the agent and the store,
         # for nothing a recovery waits on (a lost peer fails the workers, which ends training).
         holder = self._state_holder
         training_cache_s = holder._cache_duration
