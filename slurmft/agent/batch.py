@@ -19,11 +19,17 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import IntEnum
 from pathlib import Path
+from typing import Any
 
-from slurmft.core.budget import Restart, RestartBudget, progress_label
+from slurmft.core.budget import (
+    DEFAULT_MAX_RESTARTS_WITHOUT_PROGRESS,
+    Restart,
+    RestartBudget,
+    progress_label,
+)
 from slurmft.core.kinds import FaultClass
 from slurmft.slurm.api import NodeInfo, SubmitRequest
 from slurmft.slurm.hostlist import compress
@@ -44,7 +50,7 @@ class BatchSpec:
     ckpt_dir: str  # progress is a newer checkpoint here; the budget lives here across requeues
     store_port: int = 29400
     nproc_per_node: int = 1
-    max_restarts_without_progress: int = 5
+    max_restarts_without_progress: int = DEFAULT_MAX_RESTARTS_WITHOUT_PROGRESS
     save_timeout_s: float = 120.0  # time limit: how long ranks get to save before the requeue
     slurmft: str = "slurmft"  # the slurmft executable on the compute nodes
     token_file: str = ""
@@ -194,45 +200,55 @@ class StepOutcomes:
         return frozenset(n for n, o in self.by_node.items() if o in CORDONING_OUTCOMES)
 
 
-# --- the restart budget, kept in the checkpoint directory across requeues ---------------------
+# --- the batch step's state, kept in the checkpoint directory across requeues ---------------
 
 
-@dataclass
-class BudgetState:
-    restarts_without_progress: int = 0
-    last_checkpoint: str = ""
+@dataclass(frozen=True)
+class BatchState:
+    """What the batch step keeps across requeues: the run's restart budget (the daemon's type,
+    `slurmft.core.budget.RestartBudget`) and its own counters. The file is the budget's fields
+    (`RestartBudget.to_dict`) and these beside them, one flat JSON object."""
+
+    budget: RestartBudget = field(default_factory=RestartBudget)
     step_launches: int = 0
     requeues: int = 0
-    history: list[str] = field(default_factory=list)
+    history: tuple[str, ...] = ()
 
     @classmethod
-    def load(cls, ckpt_dir: str) -> BudgetState:
+    def load(cls, ckpt_dir: str, cap: int) -> BatchState:
+        """The state in ``ckpt_dir`` (written by this version or by slurmft 0.1's batch step),
+        with ``cap``, the job's own, as the budget's cap; a fresh state when there is none."""
         path = Path(ckpt_dir) / STATE_FILE
         try:
-            state = cls(**json.loads(path.read_text()))
+            data = json.loads(path.read_text())
         except FileNotFoundError:
-            return cls()
-        # Older state files hold the directory's name; progress compares labels.
-        state.last_checkpoint = checkpoint_label(state.last_checkpoint)
-        return state
-
-    def charged(self, max_without_progress: int) -> RestartBudget:
-        """What this state has charged so far, as the daemon's budget."""
-        return RestartBudget(
-            max_without_progress=max_without_progress,
-            charged_in_a_row=self.restarts_without_progress,
-            last_progress=self.last_checkpoint or None,
+            return cls(RestartBudget(max_restarts_without_progress=cap))
+        budget = RestartBudget.from_dict(data, cap=cap)
+        # slurmft 0.1 kept the checkpoint directory's name; progress compares labels.
+        progress = checkpoint_label(budget.last_progress or "") or None
+        return cls(
+            budget=replace(budget, last_progress=progress),
+            step_launches=int(data.get("step_launches", 0)),
+            requeues=int(data.get("requeues", 0)),
+            history=tuple(str(line) for line in data.get("history", ())),
         )
 
-    def keep(self, budget: RestartBudget) -> None:
-        self.restarts_without_progress = budget.charged_in_a_row
-        self.last_checkpoint = budget.last_progress or ""
+    def noted(self, reason: str) -> BatchState:
+        return replace(self, history=(*self.history, reason))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            **self.budget.to_dict(),
+            "step_launches": self.step_launches,
+            "requeues": self.requeues,
+            "history": list(self.history),
+        }
 
     def save(self, ckpt_dir: str) -> None:
         path = Path(ckpt_dir) / STATE_FILE
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_suffix(".tmp")
-        partial.write_text(json.dumps(asdict(self), indent=1))
+        partial.write_text(json.dumps(self.to_dict(), indent=1))
         os.replace(partial, path)  # a batch host killed mid-write leaves the old state
 
 
@@ -269,6 +285,7 @@ class Move(IntEnum):
 class Decision:
     move: Move
     reason: str
+    budget: RestartBudget  # the run's budget after the step
     nodes: tuple[str, ...] = ()
 
 
@@ -276,32 +293,31 @@ def after_step(  # noqa: PLR0917 (the step's whole result)
     returncode: int,
     usable: Sequence[str],
     spec: BatchSpec,
-    state: BudgetState,
+    budget: RestartBudget,
     checkpoint: str,
     outcomes: StepOutcomes | None = None,
 ) -> Decision:
-    """What follows an agent step that ended with `returncode` (and its agents' `outcomes`);
-    updates the budget in `state`. `usable` must already leave out the cordoned nodes."""
+    """What follows an agent step that ended with `returncode` (and its agents' `outcomes`),
+    and the budget after it. `usable` must already leave out the cordoned nodes."""
     if returncode == 0:
-        return Decision(Move.FINISH, "training finished")
+        return Decision(Move.FINISH, "training finished", budget)
     if outcomes is not None and outcomes.finished:
         others = {n: o for n, o in outcomes.by_node.items() if o != FINISHED_OUTCOME}
         return Decision(
             Move.FINISH,
             f"training finished (agent step exit {returncode}: "
             f"{', '.join(f'{n} {o.lower()}' for n, o in sorted(others.items())) or 'no outcome'})",
+            budget,
         )
     # The daemon's own rule (slurmft.core.budget), so the two never disagree.
-    budget = state.charged(spec.max_restarts_without_progress).charge(
-        Restart(FaultClass.UNKNOWN, progress=checkpoint or None)
-    )
-    state.keep(budget)
+    budget = budget.charge(Restart(FaultClass.UNKNOWN, progress=checkpoint or None))
     if budget.exhausted:
-        return Decision(Move.GIVE_UP, budget.stop_reason())
+        return Decision(Move.GIVE_UP, budget.stop_reason(), budget)
     if len(usable) < spec.nodes:
-        return Decision(Move.REQUEUE, f"{len(usable)} usable nodes, {spec.nodes} needed")
+        return Decision(Move.REQUEUE, f"{len(usable)} usable nodes, {spec.nodes} needed", budget)
     return Decision(
         Move.RELAUNCH,
         f"agent step ended with {returncode}: relaunch on {len(usable)} nodes",
+        budget,
         tuple(usable),
     )

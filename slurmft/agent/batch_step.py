@@ -27,7 +27,7 @@ from pathlib import Path
 
 from slurmft.agent.batch import (
     BatchSpec,
-    BudgetState,
+    BatchState,
     Move,
     StepOutcomes,
     after_step,
@@ -74,13 +74,13 @@ class BatchStep:
         self.store_host = store_host
         self.poll_s, self.stop_grace_s = poll_s, stop_grace_s
         self.give_up_grace_s = give_up_grace_s
-        self.state = BudgetState.load(spec.ckpt_dir)
+        self.state = BatchState.load(spec.ckpt_dir, spec.max_restarts_without_progress)
         self.save_requested = threading.Event()
         self.outcome_dir = ""  # the current agent step's (see batch.StepOutcomes)
         self.cordoned: set[str] = set()  # nodes whose agents left this job for good
         # The current agent step's budget: charged before it, and what the batch step saw
         # itself (nodes Slurm took away, checkpoints published), next to the agents' records.
-        self.step_before = self.state.charged(spec.max_restarts_without_progress)
+        self.step_before = self.state.budget
         self.step_seen: list[Sighting] = []
         self.step_gone: set[str] = set()
         self.step_stopped_at: datetime | None = None  # agents leave on the batch step's stop
@@ -126,8 +126,7 @@ class BatchStep:
         if len(nodes) < self.spec.nodes:
             return self._requeue(f"{len(nodes)} usable nodes, {self.spec.nodes} needed")
         while True:
-            self.state.step_launches += 1
-            self.state.save(self.spec.ckpt_dir)
+            self._keep(replace(self.state, step_launches=self.state.step_launches + 1))
             log.info("agent step %d on %s", self.state.step_launches, ",".join(nodes))
             returncode = self._run_step(nodes)
             if self.save_requested.is_set():
@@ -142,12 +141,11 @@ class BatchStep:
                 returncode,
                 self.usable(),
                 self.spec,
-                self.state,
+                self.state.budget,
                 checkpoint_label(newest_checkpoint(self.spec.ckpt_dir)),
                 outcomes,
             )
-            self.state.history.append(decision.reason)
-            self.state.save(self.spec.ckpt_dir)
+            self._keep(replace(self.state, budget=decision.budget).noted(decision.reason))
             log.info("%s", decision.reason)
             if decision.move is Move.FINISH:
                 return BatchExit.FINISHED
@@ -159,7 +157,7 @@ class BatchStep:
 
     def _run_step(self, nodes: Sequence[str]) -> int:
         self.outcome_dir = self._new_outcome_dir()
-        self.step_before = self.state.charged(self.spec.max_restarts_without_progress)
+        self.step_before = self.state.budget
         self.step_seen, self.step_gone, self.step_stopped_at = [], set(), None
         self.step_spent = None
         argv = srun_argv(nodes, self.spec.agent_argv(self.store_host, self.outcome_dir))
@@ -200,19 +198,24 @@ class BatchStep:
         self._note_checkpoint()
         recorded = read_step(self.outcome_dir, left_before=self.step_stopped_at)
         budget = charge_step(self.step_before, [*recorded, *self.step_seen])
-        if budget.charged_in_a_row != self.state.restarts_without_progress:
+        kept = self.state.budget
+        if budget.restarts_without_progress != kept.restarts_without_progress:
             log.info(
                 "in-place restarts: %d in a row without a newer checkpoint (cap %d)",
-                budget.charged_in_a_row,
-                budget.max_without_progress,
+                budget.restarts_without_progress,
+                budget.max_restarts_without_progress,
             )
-        if (budget.charged_in_a_row, budget.last_progress or "") != (
-            self.state.restarts_without_progress,
-            self.state.last_checkpoint,
+        if (budget.restarts_without_progress, budget.last_progress) != (
+            kept.restarts_without_progress,
+            kept.last_progress,
         ):
-            self.state.keep(budget)
-            self.state.save(self.spec.ckpt_dir)
+            self._keep(replace(self.state, budget=budget))
         return budget
+
+    def _keep(self, state: BatchState) -> None:
+        """The new state, saved at once: a batch host killed now resumes from it."""
+        self.state = state
+        state.save(self.spec.ckpt_dir)
 
     def _note_checkpoint(self) -> None:
         """A checkpoint published under the checkpoint directory is progress even where the
@@ -231,8 +234,7 @@ class BatchStep:
             self.step_seen.append(Sighting(Seen.NODE_REMOVED, datetime.now(UTC)))
 
     def _give_up(self, reason: str) -> BatchExit:
-        self.state.history.append(reason)
-        self.state.save(self.spec.ckpt_dir)
+        self._keep(self.state.noted(reason))
         log.error("giving up: %s", reason)
         return BatchExit.GIVE_UP
 
@@ -288,13 +290,12 @@ class BatchStep:
         log.info("coordinated save: %s", saved if saved > before else "none in time")
 
     def _save_and_requeue_done(self) -> BatchExit:
-        self.state.history.append("time limit: saved and requeued")
-        self.state.save(self.spec.ckpt_dir)  # the budget is untouched: time limits are expected
+        # The budget is untouched: time limits are expected.
+        self._keep(self.state.noted("time limit: saved and requeued"))
         return self._requeue("time limit or preemption")
 
     def _requeue(self, reason: str) -> BatchExit:
-        self.state.requeues += 1
-        self.state.save(self.spec.ckpt_dir)
+        self._keep(replace(self.state, requeues=self.state.requeues + 1))
         log.warning("requeueing job %s: %s", self.job_id, reason)
         try:
             self.client.requeue(self.job_id)

@@ -127,13 +127,13 @@ def charge_step(before: RestartBudget, sightings: Iterable[Sighting]) -> Restart
     it is the budget at the failure that spent it (the batch step reads every few seconds, and
     torchrun may have restarted the workers again by then)."""
     seen = list(sightings)
-    budget = budget_from_history(seen, before.max_without_progress, start=before)
+    budget = budget_from_history(seen, before.max_restarts_without_progress, start=before)
     if not budget.exhausted:
         return budget
     for first_report in restart_groups(seen):
         # The failures up to this one; the evidence about their causes stays whole.
         upto = [s for s in seen if s.kind not in FAILURE_REPORTS or s.at <= first_report]
-        spent = budget_from_history(upto, before.max_without_progress, start=before)
+        spent = budget_from_history(upto, before.max_restarts_without_progress, start=before)
         if spent.exhausted:
             return spent
     return budget

@@ -190,8 +190,8 @@ class Executor:
             return
         job_id = self._submit_attempt(run, exclude)
         # Charged once the new job exists: a failed sbatch is decided (and charged) again later.
-        if isinstance(action, v.SubmitAttempt) and action.charged_in_a_row is not None:
-            run.restarts_without_progress = action.charged_in_a_row
+        if isinstance(action, v.SubmitAttempt) and action.restarts_without_progress is not None:
+            run.restarts_without_progress = action.restarts_without_progress
         latest = session.scalars(
             select(Attempt.number).where(Attempt.run_id == run.id).order_by(Attempt.number.desc())
         ).first()

@@ -226,7 +226,7 @@ def _job_ended(run: RunView, job: JobView, view: ClusterView) -> list[Action]:
             reason,
             {"key": resubmit_key},
             exclude=exclude,
-            charged_in_a_row=budget.charged_in_a_row,
+            restarts_without_progress=budget.restarts_without_progress,
         )
     ]
 

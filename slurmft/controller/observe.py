@@ -309,7 +309,8 @@ def _run_view(
         agents=_agents_seen(session, run.id, since),
         excluded=denied_nodes(session, run_id=run.id, now=now),
         budget=RestartBudget(
-            max_without_progress=max_restarts, charged_in_a_row=run.restarts_without_progress
+            max_restarts_without_progress=max_restarts,
+            restarts_without_progress=run.restarts_without_progress,
         ),
         cancel_requested=run.cancel_requested_at is not None,
         reported=_reported_keys(session, run.id, since, now=now),

@@ -174,7 +174,7 @@ def reconcile_budget(session: Session, run: Run) -> None:
         *[c for c in causes if c.at >= since - window],
     ]
     # The cap only decides `exhausted`; the count is the same whatever it is.
-    run.restarts_without_progress = budget_from_history(sightings, 1).charged_in_a_row
+    run.restarts_without_progress = budget_from_history(sightings, 1).restarts_without_progress
     _record_restarts(session, run.id, charged_restarts([*recent, *causes]))
 
 

@@ -179,7 +179,7 @@ class SubmitAttempt(Action):
     """A new Slurm job for the run (its job cannot be requeued), resuming from its checkpoint."""
 
     exclude: frozenset[str] = frozenset()
-    charged_in_a_row: int | None = None  # the run's budget after this restart, if charged
+    restarts_without_progress: int | None = None  # the run's budget after this restart, if charged
 
 
 @dataclass(frozen=True)

@@ -9,21 +9,22 @@ the daemon is away), so the two never disagree:
 - time limits and preemption are expected ends, free as well;
 - progress (a newer verified checkpoint, or for a plain script a newer file under its declared
   checkpoint path) resets the count;
-- after ``max_without_progress`` charged restarts in a row without progress, the next failure
-  stops the run instead of restarting it.
+- after ``max_restarts_without_progress`` charged restarts in a row without progress (the
+  count ``restarts_without_progress``), the next failure stops the run instead of restarting it.
 
 Use: on each failure, ``budget = budget.charge(restart)``; restart if not ``budget.exhausted``,
 else stop with ``budget.stop_reason()``.
 
-The state is a small JSON document so the batch step can keep it in the checkpoint directory
-across requeues; the daemon keeps the same numbers in the store.
+One type, `RestartBudget`, and one format (`RestartBudget.to_dict`): the batch step keeps it in
+its state file in the checkpoint directory across requeues; the daemon keeps the same count in
+the store.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field, replace
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from enum import StrEnum
 from typing import Any
@@ -42,20 +43,31 @@ class Restart:
     progress: str | None = None  # newest verified checkpoint id seen before this restart
 
 
+DEFAULT_MAX_RESTARTS_WITHOUT_PROGRESS = 5  # policy.max_restarts_without_progress
+
+
 @dataclass(frozen=True)
 class RestartBudget:
-    max_without_progress: int = 5
-    charged_in_a_row: int = 0
-    last_progress: str | None = None
-    restarts_by_class: dict[str, int] = field(default_factory=dict)
+    """The run's restart budget: the one count (``restarts_without_progress``, charged
+    restarts in a row since the last progress), its cap (``max_restarts_without_progress``, the
+    setting of that name) and the one rule that says stop (`exhausted`).
+
+    The daemon keeps the count in the store (``runs.restarts_without_progress``), the batch step
+    in its state file (`to_dict`, the one format); both charge it with `charge`."""
+
+    max_restarts_without_progress: int = DEFAULT_MAX_RESTARTS_WITHOUT_PROGRESS
+    restarts_without_progress: int = 0
+    last_progress: str | None = None  # the newest progress seen (`progress_label`)
+    restarts_by_class: Mapping[str, int] = field(default_factory=dict)
 
     @property
     def exhausted(self) -> bool:
-        return self.charged_in_a_row > self.max_without_progress
+        """Stop: more charged restarts in a row than the cap allows."""
+        return self.restarts_without_progress > self.max_restarts_without_progress
 
     @property
     def remaining(self) -> int:
-        return max(0, self.max_without_progress - self.charged_in_a_row)
+        return max(0, self.max_restarts_without_progress - self.restarts_without_progress)
 
     def is_free(self, restart: Restart) -> bool:
         return restart.cause in FREE_CLASSES or restart.node_removed
@@ -65,46 +77,64 @@ class RestartBudget:
         by_class = dict(self.restarts_by_class)
         by_class[restart.cause.value] = by_class.get(restart.cause.value, 0) + 1
         progressed = restart.progress is not None and restart.progress != self.last_progress
-        in_a_row = 0 if progressed else self.charged_in_a_row
+        in_a_row = 0 if progressed else self.restarts_without_progress
         if not self.is_free(restart):
             in_a_row += 1
         return replace(
             self,
-            charged_in_a_row=in_a_row,
+            restarts_without_progress=in_a_row,
             last_progress=restart.progress if progressed else self.last_progress,
             restarts_by_class=by_class,
         )
 
     def stop_reason(self) -> str:
+        cap = self.max_restarts_without_progress
         if not self.exhausted:
             # The batch step gave up on its own count (agent steps that ended), which the
             # daemon does not see: say what the cap means, not this budget's smaller count.
             return (
-                f"crash loop: more than {self.max_without_progress} restarts in a row without "
-                f"a newer verified checkpoint; the cap is {self.max_without_progress} "
-                f"(policy.max_restarts_without_progress)"
+                f"crash loop: more than {cap} restarts in a row without a newer verified "
+                f"checkpoint; the cap is {cap} (policy.max_restarts_without_progress)"
             )
         return (
-            f"crash loop: {self.charged_in_a_row - 1} restarts in a row without progress (no "
-            f"newer verified checkpoint than {self.last_progress or 'none'}), then another "
-            f"failure; the cap is {self.max_without_progress} "
-            f"(policy.max_restarts_without_progress)"
+            f"crash loop: {self.restarts_without_progress - 1} restarts in a row without "
+            f"progress (no newer verified checkpoint than {self.last_progress or 'none'}), then "
+            f"another failure; the cap is {cap} (policy.max_restarts_without_progress)"
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """The budget as JSON fields: the batch step's state file holds exactly these."""
+        return {
+            "max_restarts_without_progress": self.max_restarts_without_progress,
+            "restarts_without_progress": self.restarts_without_progress,
+            "last_progress": self.last_progress,
+            "restarts_by_class": dict(sorted(self.restarts_by_class.items())),
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], *, cap: int | None = None) -> RestartBudget:
+        """`to_dict`'s fields, or a state file of slurmft 0.1's batch step (its count under the
+        same name, its progress under ``last_checkpoint``, no cap); ``cap`` overrides the
+        recorded cap (the batch step's is the one its job was started with)."""
+        progress = data.get("last_progress", data.get("last_checkpoint")) or None
+        recorded_cap = data.get("max_restarts_without_progress")
+        return cls(
+            max_restarts_without_progress=int(
+                cap if cap is not None else recorded_cap or DEFAULT_MAX_RESTARTS_WITHOUT_PROGRESS
+            ),
+            restarts_without_progress=int(data.get("restarts_without_progress", 0)),
+            last_progress=str(progress) if progress is not None else None,
+            restarts_by_class={
+                str(k): int(v) for k, v in (data.get("restarts_by_class") or {}).items()
+            },
         )
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), sort_keys=True)
+        return json.dumps(self.to_dict(), sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str) -> RestartBudget:
-        data: dict[str, Any] = json.loads(text)
-        return cls(
-            max_without_progress=int(data["max_without_progress"]),
-            charged_in_a_row=int(data["charged_in_a_row"]),
-            last_progress=data.get("last_progress"),
-            restarts_by_class={
-                str(k): int(v) for k, v in data.get("restarts_by_class", {}).items()
-            },
-        )
+        return cls.from_dict(json.loads(text))
 
 
 # --- the daemon's view: restarts read from what the agents reported ---------------------------
@@ -264,7 +294,7 @@ def charged_restarts(
 
 def budget_from_history(
     sightings: Sequence[Sighting],
-    max_without_progress: int,
+    max_restarts_without_progress: int,
     *,
     group_s: float = GROUP_S,
     cause_window_s: float = CAUSE_WINDOW_S,
@@ -274,7 +304,7 @@ def budget_from_history(
     (`charged_restarts`), and checkpoints as progress. ``start``: what was charged before
     these sightings (the batch step's count from earlier agent steps and requeues)."""
     checkpoints = sorted((s.at, s.step) for s in sightings if s.kind is Seen.CHECKPOINT)
-    budget = start or RestartBudget(max_without_progress=max_without_progress)
+    budget = start or RestartBudget(max_restarts_without_progress=max_restarts_without_progress)
     restarts = charged_restarts(sightings, group_s=group_s, cause_window_s=cause_window_s)
     for restart in restarts:
         steps = [step for when, step in checkpoints if when <= restart.at]

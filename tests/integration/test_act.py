@@ -193,7 +193,9 @@ def test_a_failed_submission_charges_nothing_until_a_job_exists(
     database: Database, seed_run: Callable[..., None]
 ) -> None:
     seed_run(database, "r3", job_id="7")
-    action = v.SubmitAttempt("r3", "job 7 ended (failed)", exclude=frozenset(), charged_in_a_row=3)
+    action = v.SubmitAttempt(
+        "r3", "job 7 ended (failed)", exclude=frozenset(), restarts_without_progress=3
+    )
 
     def refused(run: Run, exclude: frozenset[str]) -> str:
         raise SlurmUnreachable("slurmctld not responding")

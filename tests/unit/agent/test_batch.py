@@ -11,7 +11,7 @@ import pytest
 
 from slurmft.agent.batch import (
     BatchSpec,
-    BudgetState,
+    BatchState,
     Move,
     StepOutcomes,
     after_step,
@@ -23,6 +23,7 @@ from slurmft.agent.batch import (
     write_step_outcome,
 )
 from slurmft.agent.batch_step import BatchStep
+from slurmft.core.budget import RestartBudget
 from slurmft.slurm.api import NodeInfo, SignalTarget
 from slurmft.slurm.commands import submit_argv
 from slurmft.slurm.states import parse_node_state
@@ -124,28 +125,64 @@ def test_after_step(  # noqa: PLR0917 (one parameter per table column)
     move: Move,
     no_progress_after: int,
 ) -> None:
-    state = BudgetState(
-        restarts_without_progress=no_progress_before, last_checkpoint="step-000000005"
+    before = RestartBudget(
+        restarts_without_progress=no_progress_before, last_progress="step-000000005"
     )
-    decision = after_step(returncode, usable, SPEC, state, checkpoint)
+    decision = after_step(returncode, usable, SPEC, before, checkpoint)
     assert decision.move is move, decision.reason
-    assert state.restarts_without_progress == no_progress_after
+    assert decision.budget.restarts_without_progress == no_progress_after
+    assert before.restarts_without_progress == no_progress_before  # a new budget, not changed
     if move is Move.RELAUNCH:
         assert decision.nodes == tuple(usable)
 
 
 def test_budget_survives_a_requeue_in_the_checkpoint_directory(tmp_path: Path) -> None:
-    assert BudgetState.load(str(tmp_path)) == BudgetState()
-    state = BudgetState(
-        restarts_without_progress=2,
-        last_checkpoint="step-000000015",
+    assert BatchState.load(str(tmp_path), 5) == BatchState(RestartBudget(5))
+    state = BatchState(
+        RestartBudget(5, restarts_without_progress=2, last_progress="step 15"),
         step_launches=3,
         requeues=1,
-        history=["a"],
+        history=("a",),
     )
     state.save(str(tmp_path))
-    # The directory's name, kept by older batch steps, reads as the agents' label for it.
-    assert BudgetState.load(str(tmp_path)) == dataclasses.replace(state, last_checkpoint="step 15")
+    assert BatchState.load(str(tmp_path), 5) == state
+    # The job's own cap wins over the recorded one.
+    assert BatchState.load(str(tmp_path), 7).budget.max_restarts_without_progress == 7
+    (tmp_path / "step-000000015").mkdir()
+    (tmp_path / "step-000000020").mkdir()
+    (tmp_path / ".staging-step-000000025").mkdir()
+    assert newest_checkpoint(str(tmp_path)) == "step-000000020"
+
+
+def test_a_state_file_of_the_previous_version_reads_as_the_same_budget(tmp_path: Path) -> None:
+    """A job requeued across an upgrade: its batch step reads the file slurmft 0.1's batch
+    step wrote (made by that version's code: the count, the progress as `last_checkpoint`, no
+    cap) and goes on counting."""
+    (tmp_path / "slurmft-batch-state.json").write_text(
+        (Path(__file__).parent / "golden" / "batch_state_v0.1.json").read_text()
+    )
+    state = BatchState.load(str(tmp_path), 5)
+    assert state.budget == RestartBudget(5, restarts_without_progress=4, last_progress="step 40")
+    assert (state.step_launches, state.requeues) == (4, 1)
+    assert state.history[-1] == "agent step ended with 1: relaunch on 3 nodes"
+    # Charged on from there: one more restart without progress, then the cap stops it.
+    budget = state.budget
+    for move in (Move.RELAUNCH, Move.GIVE_UP):
+        decision = after_step(1, ["n1", "n2", "n3"], SPEC, budget, "step 40")
+        assert decision.move is move, decision.reason
+        budget = decision.budget
+    assert budget.restarts_without_progress == 6
+    # Progress under the old name's label resets it.
+    assert after_step(1, ["n1", "n2", "n3"], SPEC, state.budget, "step 41").budget == (
+        RestartBudget(
+            5,
+            restarts_without_progress=1,
+            last_progress="step 41",
+            restarts_by_class={"unknown": 1},
+        )
+    )
+    state.save(str(tmp_path))
+    assert BatchState.load(str(tmp_path), 5) == state
     (tmp_path / "step-000000015").mkdir()
     (tmp_path / "step-000000020").mkdir()
     (tmp_path / ".staging-step-000000025").mkdir()
@@ -154,13 +191,17 @@ def test_budget_survives_a_requeue_in_the_checkpoint_directory(tmp_path: Path) -
 
 def test_the_batch_step_and_the_daemon_share_one_budget() -> None:
     """A script that always crashes: both stop it after the same number of restarts."""
-    from slurmft.core.budget import Restart, RestartBudget
-    from slurmft.db.models import FaultClass
+    from slurmft.core.budget import Restart
+    from slurmft.core.kinds import FaultClass
 
-    state, launches = BudgetState(), 0
-    while after_step(1, ["n1", "n2", "n3"], SPEC, state, "").move is Move.RELAUNCH:
+    state, launches = RestartBudget(SPEC.max_restarts_without_progress), 0
+    while (decision := after_step(1, ["n1", "n2", "n3"], SPEC, state, "")).move is Move.RELAUNCH:
         launches += 1
-    budget, restarts = RestartBudget(max_without_progress=SPEC.max_restarts_without_progress), 0
+        state = decision.budget
+    budget, restarts = (
+        RestartBudget(max_restarts_without_progress=SPEC.max_restarts_without_progress),
+        0,
+    )
     while not (budget := budget.charge(Restart(FaultClass.USER_CODE))).exhausted:
         restarts += 1
     assert launches == restarts == SPEC.max_restarts_without_progress
@@ -176,11 +217,11 @@ def test_a_step_whose_agents_finished_is_finished_though_one_left(tmp_path: Path
     (Path(step) / "n9.json").write_text("{torn")  # ignored, not fatal
     outcomes = StepOutcomes.read(step)
     assert outcomes.cordoned == {"n2"} and outcomes.finished
-    state = BudgetState(restarts_without_progress=2)
+    state = RestartBudget(restarts_without_progress=2)
     decision = after_step(4, ["n1", "n3", "n4"], SPEC, state, "step-000000005", outcomes)
     assert decision.move is Move.FINISH
     assert decision.reason == "training finished (agent step exit 4: n2 left_cordoned)"
-    assert state.restarts_without_progress == 2
+    assert decision.budget == state
 
 
 def test_a_stopped_or_failed_agent_cordons_nothing_and_finishes_nothing(tmp_path: Path) -> None:
@@ -191,7 +232,7 @@ def test_a_stopped_or_failed_agent_cordons_nothing_and_finishes_nothing(tmp_path
     outcomes = StepOutcomes.read(step)
     assert outcomes.cordoned == {"n3"} and not outcomes.finished
     assert StepOutcomes.read(str(tmp_path / "absent")).by_node == {}
-    decision = after_step(1, ["n1", "n2", "n4"], SPEC, BudgetState(), "", outcomes)
+    decision = after_step(1, ["n1", "n2", "n4"], SPEC, RestartBudget(), "", outcomes)
     assert decision.move is Move.RELAUNCH and decision.nodes == ("n1", "n2", "n4")
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from slurmft.agent.agent import AgentSettings, NodeAgent
-from slurmft.agent.batch import BatchSpec, BudgetState, write_step_outcome
+from slurmft.agent.batch import BatchSpec, BatchState, write_step_outcome
 from slurmft.agent.batch_step import BatchStep
 from slurmft.agent.channel import RendezvousRound
 from slurmft.agent.command import TorchrunSpec
@@ -60,8 +60,8 @@ def test_the_agents_files_of_one_failure_make_one_restart(tmp_path: Path) -> Non
         stream.write('{"kind": "restart", "at": ')
     sightings = read_step(str(tmp_path))
     assert len(sightings) == 2 * 5 + 1
-    budget = charge_step(RestartBudget(max_without_progress=5), sightings)
-    assert budget.charged_in_a_row == 2
+    budget = charge_step(RestartBudget(max_restarts_without_progress=5), sightings)
+    assert budget.restarts_without_progress == 2
     assert budget.last_progress == "step 10"
     assert budget.restarts_by_class == {"user_code": 2}
     # The daemon's rule on the same sightings, not a second one.
@@ -72,18 +72,19 @@ def test_charges_add_to_what_earlier_steps_charged(tmp_path: Path) -> None:
     by_node = logs(tmp_path)
     for i in range(2):
         crash_round(by_node, T0 + 30 * i)
-    before = BudgetState(restarts_without_progress=4, last_checkpoint="step 10").charged(5)
+    before = RestartBudget(5, restarts_without_progress=4, last_progress="step 10")
     after = charge_step(before, read_step(str(tmp_path)))
-    assert after.charged_in_a_row == 6 and after.exhausted
+    assert after.restarts_without_progress == 6 and after.exhausted
     # Read later, after a third failure: still the budget at the failure that spent it.
     crash_round(by_node, T0 + 60)
     assert charge_step(before, read_step(str(tmp_path))) == after
     assert after.stop_reason().startswith("crash loop: 5 restarts in a row without progress")
     # The same checkpoint reported again is not progress; a newer one is.
     by_node["n1"].record(Seen.CHECKPOINT, step=10, at=T0 - 1)
-    assert charge_step(before, read_step(str(tmp_path))).charged_in_a_row == 6
+    assert charge_step(before, read_step(str(tmp_path))).restarts_without_progress == 6
     by_node["n1"].record(Seen.CHECKPOINT, step=15, at=T0 + 20)
-    assert charge_step(before, read_step(str(tmp_path))).charged_in_a_row == 2  # at +30, +60
+    after_progress = charge_step(before, read_step(str(tmp_path)))
+    assert after_progress.restarts_without_progress == 2  # at +30, +60
 
 
 def test_a_restart_near_an_agent_that_left_is_free(tmp_path: Path) -> None:
@@ -93,8 +94,8 @@ def test_a_restart_near_an_agent_that_left_is_free(tmp_path: Path) -> None:
     write_step_outcome(str(tmp_path), "n4", "FAILED")  # ended, but nothing was taken away
     sightings = read_step(str(tmp_path))
     assert [s.kind for s in sightings].count(Seen.NODE_REMOVED) == 1
-    budget = charge_step(RestartBudget(max_without_progress=5), sightings)
-    assert budget.charged_in_a_row == 0 and budget.restarts_by_class == {"hardware": 1}
+    budget = charge_step(RestartBudget(max_restarts_without_progress=5), sightings)
+    assert budget.restarts_without_progress == 0 and budget.restarts_by_class == {"hardware": 1}
     # Left after the batch step stopped the step: the leaving caused nothing.
     stopped = datetime.now(UTC) - timedelta(seconds=10)
     assert Seen.NODE_REMOVED not in {s.kind for s in read_step(str(tmp_path), stopped)}
@@ -115,8 +116,8 @@ def test_a_spent_budget_stays_spent_when_the_stopped_agents_leave(tmp_path: Path
     for node in ("n1", "n2", "n3"):
         write_step_outcome(batch.outcome_dir, node, "LEFT", "SIGTERM")
     budget = batch._charge_in_place_restarts()
-    assert budget.exhausted and budget.charged_in_a_row == 2
-    assert BudgetState.load(str(tmp_path)).restarts_without_progress == 2
+    assert budget.exhausted and budget.restarts_without_progress == 2
+    assert BatchState.load(str(tmp_path), 1).budget.restarts_without_progress == 2
 
 
 def test_a_restart_long_after_a_node_loss_is_charged() -> None:
@@ -126,8 +127,8 @@ def test_a_restart_long_after_a_node_loss_is_charged() -> None:
         Sighting(Seen.FAILURE, lost + timedelta(seconds=5), agent="n1", rank=0),
         Sighting(Seen.FAILURE, lost + timedelta(seconds=300), agent="n1", rank=0),
     ]
-    budget = charge_step(RestartBudget(max_without_progress=5), sightings)
-    assert budget.charged_in_a_row == 1
+    budget = charge_step(RestartBudget(max_restarts_without_progress=5), sightings)
+    assert budget.restarts_without_progress == 1
 
 
 def test_without_a_step_folder_nothing_is_written_or_read(tmp_path: Path) -> None:
@@ -199,8 +200,8 @@ def test_a_spent_budget_stops_the_step_after_the_daemons_grace(
     assert batch._budget_spent() is stops
     crash_round(by_node, T0 + 60)  # torchrun goes on restarting during the grace
     assert batch._budget_spent() is stops
-    assert batch.step_spent is not None and batch.step_spent.charged_in_a_row == 2
-    assert BudgetState.load(str(tmp_path)).restarts_without_progress == 2
+    assert batch.step_spent is not None and batch.step_spent.restarts_without_progress == 2
+    assert BatchState.load(str(tmp_path), 1).budget.restarts_without_progress == 2
 
 
 class Forwarded:
@@ -241,4 +242,4 @@ def test_with_rounds_told_restarts_and_failures_are_named_by_the_round_they_ende
         (EventKind.COLLECTIVE_ERROR, "7.2/4"),  # the rank's report, named in this agent step
         (EventKind.RESTART, "7.2/4"),  # once, from the round: not again from the heartbeat
     ]
-    assert budget_from_history(seen, 5).charged_in_a_row == 1
+    assert budget_from_history(seen, 5).restarts_without_progress == 1

@@ -26,7 +26,7 @@ HW, CODE, HANG, TIME = (
 
 def _apply(restarts: list[Restart], cap: int = 5) -> tuple[RestartBudget, int | None]:
     """The budget after the restarts, and the index of the failure that stopped the run."""
-    budget = RestartBudget(max_without_progress=cap)
+    budget = RestartBudget(max_restarts_without_progress=cap)
     for index, restart in enumerate(restarts):
         budget = budget.charge(restart)
         if budget.exhausted:
@@ -157,7 +157,7 @@ def test_a_script_that_always_crashes_stops_after_the_cap() -> None:
     for i in range(6):
         history += _restart(20 * i, "a", "b", "c")
     budget = budget_from_history(history[:-3], 5)  # five restarts: not yet
-    assert (budget.charged_in_a_row, budget.exhausted) == (5, False)
+    assert (budget.restarts_without_progress, budget.exhausted) == (5, False)
     budget = budget_from_history(history, 5)
     assert budget.exhausted and budget.restarts_by_class == {"user_code": 6}
     assert "5 restarts in a row without progress" in budget.stop_reason()
@@ -172,7 +172,7 @@ def test_node_losses_near_a_restart_are_free_and_progress_resets() -> None:
             _checkpoint(90 * i + 40, 10 * (i + 1)),
         ]
     budget = budget_from_history(history, 5)
-    assert (budget.charged_in_a_row, budget.exhausted) == (0, False)
+    assert (budget.restarts_without_progress, budget.exhausted) == (0, False)
     assert budget.restarts_by_class == {"hardware": 6}
 
 
@@ -188,12 +188,14 @@ def test_a_hang_is_charged_and_failed_jobs_count_with_in_place_restarts() -> Non
     assert budget.exhausted  # three charged, no checkpoint at all
     # A newer checkpoint between them resets the count; the same step again does not.
     again = budget_from_history([*history, _checkpoint(150, 5)], 2)
-    assert again.charged_in_a_row == 1
+    assert again.restarts_without_progress == 1
     same = budget_from_history([*history, _checkpoint(-5, 5), _checkpoint(150, 5)], 2)
-    assert same.charged_in_a_row == 3
+    assert same.restarts_without_progress == 3
 
 
 def test_the_reason_when_the_batch_step_gave_up_on_a_count_the_daemon_did_not_see() -> None:
-    reason = RestartBudget(max_without_progress=5, charged_in_a_row=0).stop_reason()
+    reason = RestartBudget(
+        max_restarts_without_progress=5, restarts_without_progress=0
+    ).stop_reason()
     assert reason.startswith("crash loop: more than 5 restarts in a row without a newer")
     assert "-1" not in reason and "(policy.max_restarts_without_progress)" in reason

@@ -325,7 +325,7 @@ CASES = [
         _view(
             _run(
                 job=JobView("101", JobPhase.ENDED, JobEnd.FAILED),
-                budget=RestartBudget(charged_in_a_row=5),
+                budget=RestartBudget(restarts_without_progress=5),
             )
         ),
         [("FinishRun", "stopped"), ("NotifyHuman", "")],
@@ -347,7 +347,7 @@ CASES = [
     ),
     (
         "running past the cap: stop and cancel, a human told",
-        _view(_run(budget=RestartBudget(charged_in_a_row=6))),
+        _view(_run(budget=RestartBudget(restarts_without_progress=6))),
         [("FinishRun", "stopped"), ("NotifyHuman", "")],
     ),
 ]
@@ -420,12 +420,12 @@ def test_a_failed_job_charges_the_budget_it_resubmits_with() -> None:
     view = _view(
         _run(
             job=JobView("101", JobPhase.ENDED, JobEnd.FAILED),
-            budget=RestartBudget(charged_in_a_row=2),
+            budget=RestartBudget(restarts_without_progress=2),
         )
     )
     (action,) = decide(view, POLICY)
     assert isinstance(action, SubmitAttempt)
-    assert (action.charged_in_a_row, action.evidence["key"]) == (3, "resubmit:101")
+    assert (action.restarts_without_progress, action.evidence["key"]) == (3, "resubmit:101")
 
 
 def test_events_carry_keys_and_classes() -> None:
