@@ -151,7 +151,6 @@ class Daemon:
                     self.slurm,
                     now=self.clock(),
                     max_restarts=self.config["policy.max_restarts_without_progress"],
-                    lemon_min_runs=self.config["trust.lemon_min_runs"],
                     bucket=self.policy.straggler_bucket,
                     buckets=self.policy.straggler_window_buckets,
                     steps=self.step_windows,

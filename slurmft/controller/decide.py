@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import timedelta
+from functools import partial
 from typing import Any
 
 from slurmft.config import Config
@@ -41,6 +42,7 @@ from slurmft.core.budget import Restart
 from slurmft.core.kinds import EventKind, FaultClass, NodeRole
 from slurmft.core.states import RunState
 from slurmft.gpu.api import FaultAction
+from slurmft.gpu.lemons import judge_lemons
 
 
 @dataclass(frozen=True)
@@ -49,6 +51,7 @@ class TrustPolicy:
     straggler_drain_after_windows: int = 3
     drains_per_hour: int = 4
     max_drained_fraction: float = 0.1  # of the partition; at least one drain is always allowed
+    lemon_min_runs: int = 2  # different runs with restart-class Xids on a node make it a lemon
 
 
 # A straggler window is judged in this many equal buckets; slow in every one of them is what
@@ -82,6 +85,7 @@ class Policy:
                 straggler_drain_after_windows=config["trust.straggler_drain_after_windows"],
                 drains_per_hour=config["trust.drains_per_hour"],
                 max_drained_fraction=config["trust.max_drained_fraction"],
+                lemon_min_runs=config["trust.lemon_min_runs"],
             ),
         )
 
@@ -118,13 +122,22 @@ def decide(view: ClusterView, policy: Policy) -> list[Action]:
     if not view.slurm_reachable:
         return []  # never act on stale information
     gate = _DrainGate(policy.trust, view)
+    lemons = lemon_nodes(view, policy.trust)
     actions: list[Action] = []
     for run in view.runs:
-        actions += _decide_run(run, view, policy, gate)
+        actions += _decide_run(run, view, policy, gate, lemons)
     return actions
 
 
-def _decide_run(run: RunView, view: ClusterView, policy: Policy, gate: _DrainGate) -> list[Action]:
+def lemon_nodes(view: ClusterView, trust: TrustPolicy) -> frozenset[str]:
+    """Nodes whose restart-class Xids repeat across different runs (slurmft.gpu.lemons)."""
+    verdicts = judge_lemons(view.xid_history, now=view.now, min_runs=trust.lemon_min_runs)
+    return frozenset(node for node, verdict in verdicts.items() if verdict.is_lemon)
+
+
+def _decide_run(
+    run: RunView, view: ClusterView, policy: Policy, gate: _DrainGate, lemons: frozenset[str]
+) -> list[Action]:
     job = run.job
     if run.cancel_requested and (job is None or job.phase is not JobPhase.ENDED):
         return [
@@ -148,7 +161,7 @@ def _decide_run(run: RunView, view: ClusterView, policy: Policy, gate: _DrainGat
         return _batch_host_down(run, job, view)
     actions: list[Action] = []
     removed: set[str] = set()
-    for finder in (_lost_nodes, _gpu_faults, _unresponsive_nodes):
+    for finder in (_lost_nodes, partial(_gpu_faults, lemons=lemons), _unresponsive_nodes):
         found, gone = finder(run, view, policy, gate)
         actions += found
         removed |= gone
@@ -279,7 +292,7 @@ def _lost_nodes(
 
 
 def _gpu_faults(
-    run: RunView, view: ClusterView, policy: Policy, gate: _DrainGate
+    run: RunView, view: ClusterView, policy: Policy, gate: _DrainGate, *, lemons: frozenset[str]
 ) -> tuple[list[Action], set[str]]:
     actions: list[Action] = []
     removed: set[str] = set()
@@ -302,7 +315,7 @@ def _gpu_faults(
             continue
         # Restart-class Xids are usually the application's own bug: the node leaves only when
         # it is a lemon (such Xids on it across different runs).
-        lemon = fault.action is FaultAction.RESTART_APP and fault.node in view.lemons
+        lemon = fault.action is FaultAction.RESTART_APP and fault.node in lemons
         if fault.action is FaultAction.RESTART_APP and not lemon:
             # The application must restart (a fresh CUDA context); the node stays. If the
             # fault already crashed it, torchrun has restarted it and this finds it healthy.

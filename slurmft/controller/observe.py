@@ -44,7 +44,7 @@ from slurmft.db.models import (
 from slurmft.db.records import denied_nodes
 from slurmft.db.states import AttemptState, RunState
 from slurmft.gpu.api import FaultAction
-from slurmft.gpu.lemons import XidOccurrence, judge_lemons
+from slurmft.gpu.lemons import LEMON_WINDOW, XidOccurrence
 from slurmft.slurm.api import (
     JobInfo,
     NodeInfo,
@@ -159,7 +159,6 @@ def rank_compute(
 
 # --- gathering: the only I/O of observe -------------------------------------------------------
 
-LEMON_WINDOW = timedelta(days=14)
 # A keyed action that failed (sbatch refused a resubmission, a requeue hit a Slurm hiccup) is
 # decided again once it is this old, so a transient failure is retried and never strands a run.
 RETRY_FAILED_AFTER = timedelta(seconds=60)
@@ -182,7 +181,6 @@ def gather(
     *,
     now: datetime,
     max_restarts: int,
-    lemon_min_runs: int = 2,
     bucket: timedelta = timedelta(minutes=1),
     buckets: int = 5,
     steps: StepWindows | None = None,
@@ -236,7 +234,7 @@ def gather(
             if n.status.drain_requested and n.reason.startswith(OWN_DRAIN_PREFIX)
         ),
         straggler_windows=_straggler_windows(session),
-        lemons=lemon_nodes(session, now=now, min_runs=lemon_min_runs),
+        xid_history=xid_history(session, now=now),
     )
 
 
@@ -496,8 +494,8 @@ def _fault_action(details: dict[str, object]) -> FaultAction:
         return FaultAction.RESTART_APP
 
 
-def lemon_nodes(session: Session, *, now: datetime, min_runs: int) -> frozenset[str]:
-    """Nodes whose restart-class Xids repeat across different runs (slurmft.gpu.lemons)."""
+def xid_history(session: Session, *, now: datetime) -> tuple[XidOccurrence, ...]:
+    """Every run's Xids of the lemon window, the evidence decide judges lemons on."""
     rows = session.execute(
         select(Event.node, Event.run_id, Event.xid, Event.occurred_at).where(
             Event.kind == EventKind.GPU_FAULT,
@@ -507,9 +505,7 @@ def lemon_nodes(session: Session, *, now: datetime, min_runs: int) -> frozenset[
             Event.occurred_at >= now - LEMON_WINDOW,
         )
     ).all()
-    history = [XidOccurrence(node, run_id, xid, at) for node, run_id, xid, at in rows]
-    verdicts = judge_lemons(history, now=now, min_runs=min_runs, window=LEMON_WINDOW)
-    return frozenset(node for node, verdict in verdicts.items() if verdict.is_lemon)
+    return tuple(XidOccurrence(node, run_id, xid, at) for node, run_id, xid, at in rows)
 
 
 def _drains_since(session: Session, since: datetime) -> int:

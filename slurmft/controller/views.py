@@ -17,6 +17,7 @@ from slurmft.core.budget import RestartBudget
 from slurmft.core.kinds import EventKind, FaultClass, NodeRole
 from slurmft.core.states import RunState
 from slurmft.gpu.api import FaultAction
+from slurmft.gpu.lemons import XidOccurrence
 
 # --- observations ---------------------------------------------------------------------------
 
@@ -110,9 +111,9 @@ class ClusterView:
     drains_last_hour: int = 0
     partition_nodes: int = 0
     drained_nodes: int = 0
-    # Nodes judged lemons from their restart-class Xids across different runs
-    # (slurmft.gpu.lemons.judge_lemons, which includes this tick's faults).
-    lemons: frozenset[str] = frozenset()
+    # Every run's Xids of the lemon window (slurmft.gpu.lemons.LEMON_WINDOW), this tick's
+    # included: decide judges lemons from them.
+    xid_history: tuple[XidOccurrence, ...] = ()
     # Straggler windows flagged per node so far (this tick's not included).
     straggler_windows: dict[str, int] = field(default_factory=dict)
 

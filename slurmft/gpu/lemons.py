@@ -17,6 +17,9 @@ from datetime import datetime, timedelta
 
 from slurmft.gpu.xids import APPLICATION_XIDS
 
+# The restart-class Xids a node's lemon standing is judged on: the last two weeks'.
+LEMON_WINDOW = timedelta(days=14)
+
 
 @dataclass(frozen=True)
 class XidOccurrence:
@@ -40,7 +43,7 @@ def judge_lemons(
     *,
     now: datetime,
     min_runs: int = 2,
-    window: timedelta = timedelta(days=14),
+    window: timedelta = LEMON_WINDOW,
     max_nodes_per_run: int = 1,
     xids: frozenset[int] = APPLICATION_XIDS,
 ) -> dict[str, LemonVerdict]:

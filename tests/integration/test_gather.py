@@ -11,7 +11,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit" / "slurm"))
 from slurm_recordings import ReplayRunner
 from sqlalchemy import select
 
-from slurmft.controller.decide import Policy, decide
+from slurmft.controller.decide import Policy, TrustPolicy, decide, lemon_nodes
 from slurmft.controller.observe import gather
 from slurmft.controller.reconcile import reconcile
 from slurmft.controller.views import ExcludeNode, JobPhase, NotifyHuman
@@ -102,7 +102,8 @@ def test_gather_builds_the_view_and_the_drain_cap_holds(database: Database) -> N
         view = gather(s, CliSlurmClient(runner), now=NOW, max_restarts=5)
     assert runner.exhausted
     assert view.slurm_reachable and view.partition_nodes == 6
-    assert view.lemons == {"n5"}
+    # The Xids of the lemon window, every run's: decide judges n5 a lemon from them.
+    assert lemon_nodes(view, TrustPolicy()) == {"n5"}
     run = next(r for r in view.runs if r.run_id == "r14")
     assert run.job is not None and run.job.phase is JobPhase.RUNNING
     (fault,) = run.gpu_faults

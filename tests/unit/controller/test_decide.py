@@ -34,6 +34,7 @@ from slurmft.core.budget import Restart, RestartBudget
 from slurmft.db.models import EventKind, FaultClass, NodeRole
 from slurmft.db.states import RunState
 from slurmft.gpu.api import FaultAction
+from slurmft.gpu.lemons import XidOccurrence
 
 NOW = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
 POLICY = Policy(straggler_window_buckets=3)
@@ -59,6 +60,11 @@ def _nodes(
 def _run(**kw: object) -> RunView:
     base = RunView(run_id="r1", nodes_needed=3, job=RUNNING, nodes=_nodes())
     return replace(base, **kw)  # type: ignore[arg-type]
+
+
+def _xids(node: str, *runs: str) -> tuple[XidOccurrence, ...]:
+    """Xid 13 on ``node`` once in each of ``runs``, within the lemon window."""
+    return tuple(XidOccurrence(node, run, 13, NOW - timedelta(days=1)) for run in runs)
 
 
 def _view(*runs: RunView, **kw: object) -> ClusterView:
@@ -187,13 +193,18 @@ CASES = [
         [("RecordEvent", "gpu_fault@n2"), ("RestartWorkers", "n2")],
     ),
     (
-        "Xid 13 on a node judged a lemon (across runs): excluded and drained",
-        _view(_run(gpu_faults=(XID13,)), lemons=frozenset({"n2"})),
+        "Xid 13 on a node with such Xids in another run too (a lemon): excluded and drained",
+        _view(_run(gpu_faults=(XID13,)), xid_history=_xids("n2", "r1", "r0")),
         [("RecordEvent", "gpu_fault@n2"), ("ExcludeNode", "n2"), ("DrainNode", "n2")],
     ),
     (
         "Xid 13 while another node is the lemon: this node stays",
-        _view(_run(gpu_faults=(XID13,)), lemons=frozenset({"n5"})),
+        _view(_run(gpu_faults=(XID13,)), xid_history=_xids("n5", "r0", "r9") + _xids("n2", "r1")),
+        [("RecordEvent", "gpu_fault@n2"), ("RestartWorkers", "n2")],
+    ),
+    (
+        "Xid 13 again and again, but in this run only: not a lemon, the node stays",
+        _view(_run(gpu_faults=(XID13,)), xid_history=_xids("n2", "r1", "r1", "r1")),
         [("RecordEvent", "gpu_fault@n2"), ("RestartWorkers", "n2")],
     ),
     (
