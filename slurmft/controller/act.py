@@ -27,7 +27,16 @@ from sqlalchemy.orm import Session
 from slurmft.controller import views as v
 from slurmft.controller.resubmit import WAITING_FOR_OWNER, SubmissionError
 from slurmft.db import Database
-from slurmft.db.models import Action, ActionKind, ActionStatus, Attempt, Run, utcnow
+from slurmft.db.models import (
+    Action,
+    ActionKind,
+    ActionStatus,
+    Attempt,
+    Event,
+    EventKind,
+    Run,
+    utcnow,
+)
 from slurmft.db.records import denylist_add, finish_action, plan_action, record_event
 from slurmft.db.states import AttemptState, RunState
 from slurmft.slurm.api import SlurmClient, SlurmError, SlurmPermissionDenied
@@ -91,6 +100,9 @@ class Executor:
         return outcomes
 
     def _execute_one(self, session: Session, action: v.Action) -> Outcome:
+        if isinstance(action, v.RecordRestarts):
+            _record_restarts(session, action)  # the budget's bookkeeping: observing too
+            return Outcome(action, ActionStatus.DONE)
         if isinstance(action, v.RecordEvent):
             # Recording is observing, not acting: done in observe-only mode too.
             record_event(
@@ -249,6 +261,47 @@ def _records_an_end(action: v.Action) -> bool:
 
 def _deny_for_run(session: Session, action: v.Action, node: str) -> None:
     denylist_add(session, node, action.reason, run_id=action.run_id)
+
+
+def _record_restarts(session: Session, action: v.RecordRestarts) -> None:
+    """The run's count, and one `restart` event of the daemon's per restart counted, with its
+    cause: what the `run_restarts` view counts (the agents' reports of it, one per node, are
+    its evidence). A restart is counted at its first report, often before the node loss that
+    caused it is known (Slurm takes seconds to call a node DOWN), so a recorded cause is
+    corrected later."""
+    run = session.get(Run, action.run_id)
+    if run is None or run.state.is_terminal:
+        return
+    run.restarts_without_progress = action.restarts_without_progress
+    run.last_progress_at = action.last_progress_at
+    if not action.restarts:
+        return
+    recorded = {
+        event.details.get("restart_key"): event
+        for event in session.scalars(
+            select(Event).where(
+                Event.run_id == run.id, Event.kind == EventKind.RESTART, Event.source == "daemon"
+            )
+        )
+        if isinstance(event.details, dict)
+    }
+    for restart in action.restarts:
+        free = ", free: its node left the run" if restart.node_removed else ""
+        message = f"workers restarted ({restart.cause.value}{free})"
+        details = {"restart_key": restart.key, "free": restart.node_removed}
+        event = recorded.get(restart.key)
+        if event is None:
+            record_event(
+                session,
+                EventKind.RESTART,
+                message,
+                run_id=run.id,
+                fault_class=restart.cause,
+                details=details,
+                occurred_at=restart.at,
+            )
+        else:
+            event.fault_class, event.message, event.details = restart.cause, message, details
 
 
 def _recorded_only() -> None:

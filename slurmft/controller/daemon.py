@@ -150,7 +150,6 @@ class Daemon:
                     session,
                     self.slurm,
                     now=self.clock(),
-                    max_restarts=self.config["policy.max_restarts_without_progress"],
                     bucket=self.policy.straggler_bucket,
                     buckets=self.policy.straggler_window_buckets,
                     steps=self.step_windows,

@@ -13,7 +13,7 @@ only after repeated windows, lemons only across different runs) and the drain ra
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from functools import partial
 from typing import Any
@@ -33,12 +33,20 @@ from slurmft.controller.views import (
     NodeCondition,
     NotifyHuman,
     RecordEvent,
+    RecordRestarts,
     RequeueJob,
     RestartWorkers,
     RunView,
     SubmitAttempt,
 )
-from slurmft.core.budget import Restart
+from slurmft.core.budget import (
+    CAUSE_WINDOW_S,
+    DEFAULT_MAX_RESTARTS_WITHOUT_PROGRESS,
+    Restart,
+    RestartBudget,
+    budget_from_history,
+    charged_restarts,
+)
 from slurmft.core.kinds import EventKind, FaultClass, NodeRole
 from slurmft.core.states import RunState
 from slurmft.gpu.api import FaultAction
@@ -66,6 +74,7 @@ class Policy:
     straggler_window_buckets: int = STRAGGLER_WINDOW_BUCKETS
     silent_after_s: float = 30.0
     unresponsive_after_s: float = 60.0
+    max_restarts_without_progress: int = DEFAULT_MAX_RESTARTS_WITHOUT_PROGRESS
     trust: TrustPolicy = TrustPolicy()
 
     @property
@@ -80,6 +89,7 @@ class Policy:
             straggler_window_s=config["policy.straggler_window_s"],
             silent_after_s=config["policy.silent_after_s"],
             unresponsive_after_s=config["policy.unresponsive_after_s"],
+            max_restarts_without_progress=config["policy.max_restarts_without_progress"],
             trust=TrustPolicy(
                 drain_gpu_faults=config["trust.drain_gpu_faults"],
                 straggler_drain_after_windows=config["trust.straggler_drain_after_windows"],
@@ -125,8 +135,49 @@ def decide(view: ClusterView, policy: Policy) -> list[Action]:
     lemons = lemon_nodes(view, policy.trust)
     actions: list[Action] = []
     for run in view.runs:
-        actions += _decide_run(run, view, policy, gate, lemons)
+        budget, counted = count_restarts(run, policy.max_restarts_without_progress)
+        actions += counted
+        actions += _decide_run(replace(run, budget=budget), view, policy, gate, lemons)
     return actions
+
+
+def count_restarts(run: RunView, cap: int) -> tuple[RestartBudget, list[Action]]:
+    """The run's budget: its restarts in a row since its newest checkpoint first appeared
+    (slurmft.core.budget's rule over `RunView.restarts`), and the bookkeeping to record: the
+    count, the progress it counts from, and the restarts whose daemon event is missing or
+    names another cause. (The job that failed just now is `_job_ended`'s to charge.)"""
+    evidence = run.restarts
+    if evidence is None:  # an ended run: its count stays as it was
+        return replace(run.budget, max_restarts_without_progress=cap), []
+    progress = evidence.progress
+    since = progress.at if progress else evidence.since
+    window = timedelta(seconds=CAUSE_WINDOW_S)
+    counted = [
+        *([progress] if progress else []),
+        *(s for s in evidence.restarts if s.at >= since),
+        *(c for c in evidence.causes if c.at >= since - window),
+    ]
+    budget = budget_from_history(counted, cap)
+    restarts = charged_restarts([*evidence.restarts, *evidence.causes])
+    changed = tuple(
+        r for r in restarts if evidence.recorded.get(r.key) != (r.cause, r.node_removed)
+    )
+    progress_at = progress.at if progress else evidence.progress_at
+    if (
+        not changed
+        and budget.restarts_without_progress == run.budget.restarts_without_progress
+        and progress_at == evidence.progress_at
+    ):
+        return budget, []
+    return budget, [
+        RecordRestarts(
+            run.run_id,
+            f"{budget.restarts_without_progress} restarts in a row without progress (cap {cap})",
+            restarts_without_progress=budget.restarts_without_progress,
+            last_progress_at=progress_at,
+            restarts=changed,
+        )
+    ]
 
 
 def lemon_nodes(view: ClusterView, trust: TrustPolicy) -> frozenset[str]:

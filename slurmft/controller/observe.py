@@ -14,6 +14,7 @@ from sqlalchemy.orm import Session
 
 from slurmft.controller.detect import RankBeat, RankCompute
 from slurmft.controller.reconcile import reconcile
+from slurmft.controller.restarts import restart_evidence
 from slurmft.controller.step_window import StepWindows
 from slurmft.controller.views import (
     AgentSeen,
@@ -180,7 +181,6 @@ def gather(
     slurm: SlurmClient,
     *,
     now: datetime,
-    max_restarts: int,
     bucket: timedelta = timedelta(minutes=1),
     buckets: int = 5,
     steps: StepWindows | None = None,
@@ -214,7 +214,6 @@ def gather(
             jobs,
             nodes,
             now=now,
-            max_restarts=max_restarts,
             bucket=bucket,
             buckets=buckets,
             steps=steps,
@@ -274,7 +273,6 @@ def _run_view(
     nodes: Mapping[str, NodeInfo],
     *,
     now: datetime,
-    max_restarts: int,
     bucket: timedelta,
     buckets: int,
     steps: StepWindows | None = None,
@@ -306,10 +304,8 @@ def _run_view(
         gpu_faults=_gpu_faults(session, run.id, since),
         agents=_agents_seen(session, run.id, since),
         excluded=denied_nodes(session, run_id=run.id, now=now),
-        budget=RestartBudget(
-            max_restarts_without_progress=max_restarts,
-            restarts_without_progress=run.restarts_without_progress,
-        ),
+        budget=RestartBudget(restarts_without_progress=run.restarts_without_progress),
+        restarts=None if run.state.is_terminal else restart_evidence(session, run),
         cancel_requested=run.cancel_requested_at is not None,
         reported=_reported_keys(session, run.id, since, now=now),
     )

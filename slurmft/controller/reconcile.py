@@ -5,31 +5,19 @@ applies it. An attempt is one Slurm job submission *or one requeue of it*: when 
 count for the job rises, the current attempt ended REQUEUED and the next one begins with the
 same job id. Nothing here decides a recovery: that is ``decide``'s; this only records facts.
 
-The run's restart budget is one of those facts: ``reconcile_budget`` reads it from what the run
-went through (slurmft.core.budget.budget_from_history) into ``restarts_without_progress``,
-which ``decide`` compares with the cap.
+The run's restart budget is not one of them: gather reads what the run went through
+(slurmft.controller.restarts), decide counts it, act records the count.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import datetime
 
-from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from slurmft.core.budget import (
-    CAUSE_WINDOW_S,
-    ChargedRestart,
-    Seen,
-    Sighting,
-    budget_from_history,
-    charged_restarts,
-    named_round,
-)
-from slurmft.db.models import Action, ActionKind, Attempt, Event, EventKind, Run
-from slurmft.db.records import record_event
+from slurmft.db.models import Attempt, Run
 from slurmft.db.states import ATTEMPT_TRANSITIONS, AttemptState, RunState
 from slurmft.slurm.api import JobInfo
 from slurmft.slurm.states import JobPhase, JobState
@@ -107,9 +95,6 @@ def reconcile(
             if change.run_state is RunState.RUNNING and run.started_at is None:
                 run.started_at = now
     session.flush()
-    for run, _ in runs.values():
-        if not run.state.is_terminal:
-            reconcile_budget(session, run)
 
 
 def _next_attempt(session: Session, ended: Attempt, job: JobInfo, now: datetime) -> Attempt:
@@ -147,151 +132,3 @@ def _apply(attempt: Attempt, state: AttemptState | None, job: JobInfo, now: date
     elif state.is_terminal:
         attempt.ended_at = now
         attempt.end_reason = f"Slurm: {job.state.value} (exit {job.exit_code or '?'})"
-
-
-def reconcile_budget(session: Session, run: Run) -> None:
-    """The run's restarts in a row since its newest checkpoint first appeared, counted from the
-    store: in-place restarts its agents reported, and its earlier jobs that failed. (The job that
-    failed just now is ``decide``'s to charge when it resubmits: it is not counted here yet.)
-    ``last_progress_at`` remembers that checkpoint, so each pass reads only what came after."""
-    since = run.last_progress_at or run.created_at
-    progress = _progress(session, run.id, since)
-    if progress is not None:
-        since = run.last_progress_at = progress.at
-    window = timedelta(seconds=CAUSE_WINDOW_S)
-    # The record also revisits the restarts of the cause window before the newest checkpoint:
-    # progress may come seconds after a restart whose node Slurm has not called lost yet. So
-    # everything is read from that far back (causes a window further), and the budget takes
-    # the part it counts.
-    causes = _causes(session, run.id, since - 2 * window)
-    recent = [
-        *_restarts(session, run.id, since - window),
-        *_failed_jobs(session, run.id, since - window),
-    ]
-    sightings = [
-        *([progress] if progress else []),
-        *[s for s in recent if s.at >= since],
-        *[c for c in causes if c.at >= since - window],
-    ]
-    # The cap only decides `exhausted`; the count is the same whatever it is.
-    run.restarts_without_progress = budget_from_history(sightings, 1).restarts_without_progress
-    _record_restarts(session, run.id, charged_restarts([*recent, *causes]))
-
-
-def _record_restarts(session: Session, run_id: str, restarts: list[ChargedRestart]) -> None:
-    """One `restart` event of the daemon's per restart counted, with its cause: what the
-    `run_restarts` view counts (the agents' reports of it, one per node, are its evidence). A
-    restart is counted at its first report, often before the node loss that caused it is
-    known (Slurm takes seconds to call a node DOWN), so a recorded cause is corrected later."""
-    if not restarts:
-        return
-    recorded = {
-        event.details.get("restart_key"): event
-        for event in session.scalars(
-            select(Event).where(
-                Event.run_id == run_id, Event.kind == EventKind.RESTART, Event.source == "daemon"
-            )
-        )
-        if isinstance(event.details, dict)
-    }
-    for restart in restarts:
-        free = ", free: its node left the run" if restart.node_removed else ""
-        message = f"workers restarted ({restart.cause.value}{free})"
-        details = {"restart_key": restart.key, "free": restart.node_removed}
-        event = recorded.get(restart.key)
-        if event is None:
-            record_event(
-                session,
-                EventKind.RESTART,
-                message,
-                run_id=run_id,
-                fault_class=restart.cause,
-                details=details,
-                occurred_at=restart.at,
-            )
-        elif event.fault_class is not restart.cause or event.details != details:
-            event.fault_class, event.message, event.details = restart.cause, message, details
-
-
-def _progress(session: Session, run_id: str, since: datetime) -> Sighting | None:
-    """The first report of the newest checkpoint step reported since ``since``."""
-    rows = session.execute(
-        select(Event.recorded_at, Event.details)
-        .where(
-            Event.run_id == run_id,
-            Event.kind == EventKind.CHECKPOINT,
-            Event.source == "agent",
-            Event.recorded_at >= since,
-        )
-        .order_by(Event.recorded_at, Event.id)
-    ).all()
-    best: Sighting | None = None
-    for at, details in rows:
-        step = details.get("step") if isinstance(details, dict) else None
-        if isinstance(step, int) and (best is None or step > best.step):
-            best = Sighting(Seen.CHECKPOINT, at, step=step)
-    return best
-
-
-def _restarts(session: Session, run_id: str, since: datetime) -> list[Sighting]:
-    """Ranks that saw a peer fail, and agents whose workers restarted (see restart_groups)."""
-    kinds = {EventKind.COLLECTIVE_ERROR: Seen.FAILURE, EventKind.RESTART: Seen.RESTART}
-    rows = session.execute(
-        select(Event.kind, Event.recorded_at, Event.rank, Event.details).where(
-            Event.run_id == run_id,
-            Event.kind.in_(kinds),
-            Event.source == "agent",
-            Event.recorded_at >= since,
-        )
-    ).all()
-    return [
-        Sighting(
-            kinds[kind],
-            at,
-            agent=str(details.get("agent_id", "")),
-            rank=rank if rank is not None else -1,
-            round=named_round(details),
-        )
-        for kind, at, rank, details in rows
-    ]
-
-
-def _causes(session: Session, run_id: str, since: datetime) -> list[Sighting]:
-    """Nodes lost or taken out of the run, and hung workers killed, since ``since``."""
-    kinds = {
-        EventKind.NODE_LOST: Seen.NODE_REMOVED,
-        EventKind.BATCH_HOST_DOWN: Seen.NODE_REMOVED,
-        EventKind.HANG: Seen.HANG,
-    }
-    events = session.execute(
-        select(Event.kind, Event.recorded_at, Event.source).where(
-            Event.run_id == run_id, Event.kind.in_(kinds), Event.recorded_at >= since
-        )
-    ).all()
-    leaves = session.scalars(
-        select(Action.created_at).where(
-            Action.run_id == run_id,
-            Action.kind == ActionKind.AGENT_LEAVE,
-            Action.created_at >= since,
-        )
-    ).all()
-    return [
-        # A hang ends when the agent kills the workers: its event, not the daemon's finding.
-        *(
-            Sighting(kinds[kind], at)
-            for kind, at, source in events
-            if kind is not EventKind.HANG or source == "agent"
-        ),
-        *(Sighting(Seen.NODE_REMOVED, at) for at in leaves),
-    ]
-
-
-def _failed_jobs(session: Session, run_id: str, since: datetime) -> list[Sighting]:
-    attempts = session.scalars(
-        select(Attempt).where(Attempt.run_id == run_id).order_by(Attempt.number)
-    ).all()
-    return [
-        Sighting(Seen.JOB_FAILED, a.ended_at)
-        for a in attempts[:-1]  # the latest one's failure is still being decided on
-        if a.state is AttemptState.FAILED and a.ended_at is not None and a.ended_at >= since
-    ]

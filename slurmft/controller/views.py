@@ -7,13 +7,14 @@ types free of I/O is what lets the policy be tested as a table and replayed.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from enum import StrEnum
 from typing import Any
 
 from slurmft.controller.detect import RankBeat, RankCompute
-from slurmft.core.budget import RestartBudget
+from slurmft.core.budget import ChargedRestart, RestartBudget, Sighting
 from slurmft.core.kinds import EventKind, FaultClass, NodeRole
 from slurmft.core.states import RunState
 from slurmft.gpu.api import FaultAction
@@ -86,6 +87,22 @@ class JobView:
 
 
 @dataclass(frozen=True)
+class RestartEvidence:
+    """What the store holds about a run's restarts since its newest progress: gather reads it,
+    decide counts it (`decide.count_restarts`). Read from a cause window before the progress
+    (restarts) and two (causes): progress may come seconds after a restart whose node Slurm
+    has not called lost yet, and a restart's cause may come a window after it."""
+
+    since: datetime  # the progress counted so far (runs.last_progress_at), or the run's start
+    progress_at: datetime | None = None  # runs.last_progress_at as stored
+    progress: Sighting | None = None  # the first report of the newest checkpoint since `since`
+    restarts: tuple[Sighting, ...] = ()  # failures, restarts and earlier failed jobs
+    causes: tuple[Sighting, ...] = ()  # nodes lost or taken out of the run, hangs killed
+    # The daemon's `restart` events already recorded: restart key -> (cause, free).
+    recorded: Mapping[str, tuple[FaultClass | None, bool]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class RunView:
     run_id: str
     nodes_needed: int
@@ -96,7 +113,9 @@ class RunView:
     gpu_faults: tuple[GpuFault, ...] = ()
     agents: tuple[AgentSeen, ...] = ()  # nodes whose agent reported in this attempt
     excluded: frozenset[str] = frozenset()  # nodes already out of this run
+    # The count as stored (runs.restarts_without_progress); with `restarts`, decide counts anew.
     budget: RestartBudget = field(default_factory=RestartBudget)
+    restarts: RestartEvidence | None = None  # None: the run has ended, nothing to count
     cancel_requested: bool = False
     # Findings already recorded (by key), so a condition that lasts is acted on once.
     reported: frozenset[str] = frozenset()
@@ -137,6 +156,17 @@ class RecordEvent(Action):
     node: str | None = None
     rank: int | None = None
     key: str = ""  # the finding's key; recorded so the next tick does not repeat it
+
+
+@dataclass(frozen=True)
+class RecordRestarts(Action):
+    """The run's restarts as counted now: its budget's count and the progress it counts from
+    (the run's row), and one daemon `restart` event per restart, recorded or corrected (a
+    restart is counted at its first report, often before its node loss is known)."""
+
+    restarts_without_progress: int = 0
+    last_progress_at: datetime | None = None
+    restarts: tuple[ChargedRestart, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,6 @@
 """The daemon's restart budget read from a real store: what the agents reported (restarts of
-their workers, checkpoints, hangs) and what the daemon recorded (lost nodes, failed jobs)."""
+their workers, checkpoints, hangs) and what the daemon recorded (lost nodes, failed jobs).
+Each pass as the daemon makes it: gather reads the evidence, decide counts, act records."""
 
 from __future__ import annotations
 
@@ -9,7 +10,11 @@ from typing import Any
 
 from sqlalchemy import select, text
 
-from slurmft.controller.reconcile import reconcile_budget
+from slurmft.controller.act import Executor
+from slurmft.controller.decide import count_restarts
+from slurmft.controller.restarts import restart_evidence
+from slurmft.controller.views import RunView
+from slurmft.core.budget import RestartBudget
 from slurmft.db import Database
 from slurmft.db.models import Attempt, Event, EventKind, FaultClass, Run, utcnow
 from slurmft.db.records import record_event
@@ -48,10 +53,23 @@ def _run_restarts(database: Database) -> dict[str, int]:
 
 
 def _budget(database: Database) -> tuple[int, datetime | None]:
+    """One pass's count of the run's budget, recorded; what the store then holds."""
     with database.session() as s:
         run = s.get(Run, "r1")
         assert run is not None
-        reconcile_budget(s, run)
+        view = RunView(
+            "r1",
+            3,
+            None,
+            budget=RestartBudget(restarts_without_progress=run.restarts_without_progress),
+            restarts=restart_evidence(s, run),
+        )
+    budget, actions = count_restarts(view, cap=5)
+    Executor(database, slurm=None).execute(actions)  # type: ignore[arg-type]  # records only
+    with database.session() as s:
+        run = s.get(Run, "r1")
+        assert run is not None
+        assert run.restarts_without_progress == budget.restarts_without_progress
         return run.restarts_without_progress, run.last_progress_at
 
 

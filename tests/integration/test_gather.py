@@ -99,7 +99,7 @@ def test_gather_builds_the_view_and_the_drain_cap_holds(database: Database) -> N
     # The job is COMPLETING after a requeue: it is read in detail too (scontrol's Restarts).
     runner = ReplayRunner(["squeue_requeued", "sinfo_nodes_drained", "show_job_requeued"])
     with database.session() as s:
-        view = gather(s, CliSlurmClient(runner), now=NOW, max_restarts=5)
+        view = gather(s, CliSlurmClient(runner), now=NOW)
     assert runner.exhausted
     assert view.slurm_reachable and view.partition_nodes == 6
     # The Xids of the lemon window, every run's: decide judges n5 a lemon from them.
@@ -123,7 +123,7 @@ def test_slurm_unreachable_means_no_view(database: Database) -> None:
     runner = ReplayRunner(["squeue_unreachable"])
     with database.session() as s:
         # The run's attempt asks for job 14, exactly what the recording asked for.
-        view = gather(s, CliSlurmClient(runner), now=NOW, max_restarts=5)
+        view = gather(s, CliSlurmClient(runner), now=NOW)
     assert not view.slurm_reachable and view.runs == ()
 
 
@@ -157,7 +157,7 @@ def test_a_requeue_seen_only_while_completing_opens_the_next_attempt(database: D
     _running_attempt(database, batch_host="n1")
     runner = ReplayRunner(["squeue_requeued", "sinfo_nodes_drained", "show_job_requeued"])
     with database.session() as s:
-        gather(s, CliSlurmClient(runner), now=NOW, max_restarts=5)
+        gather(s, CliSlurmClient(runner), now=NOW)
     assert runner.exhausted
     assert _attempts(database) == [(1, AttemptState.REQUEUED, 0), (2, AttemptState.SUBMITTED, 1)]
     with database.session() as s:
@@ -197,7 +197,7 @@ def test_a_failed_keyed_action_is_decided_again_after_a_while(database: Database
             )
     runner = ReplayRunner(["squeue_requeued", "sinfo_nodes_drained", "show_job_requeued"])
     with database.session() as s:
-        view = gather(s, CliSlurmClient(runner), now=NOW, max_restarts=5)
+        view = gather(s, CliSlurmClient(runner), now=NOW)
     run = next(r for r in view.runs if r.run_id == "r14")
     assert {"resubmit:12", "gpu:7"} <= run.reported
     assert "resubmit:13" not in run.reported

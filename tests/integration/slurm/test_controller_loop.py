@@ -33,7 +33,7 @@ def database(tmp_path: Path) -> Iterator[Database]:
 
 def _observe(database: Database, cluster: Cluster) -> ClusterView:
     with database.session() as session:
-        return gather(session, cluster.client, now=datetime.now(UTC), max_restarts=5)
+        return gather(session, cluster.client, now=datetime.now(UTC))
 
 
 def test_a_killed_node_is_seen_recorded_and_excluded_once(

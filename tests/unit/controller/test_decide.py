@@ -25,12 +25,14 @@ from slurmft.controller.views import (
     NodeView,
     NotifyHuman,
     RecordEvent,
+    RecordRestarts,
     RequeueJob,
+    RestartEvidence,
     RestartWorkers,
     RunView,
     SubmitAttempt,
 )
-from slurmft.core.budget import Restart, RestartBudget
+from slurmft.core.budget import Restart, RestartBudget, Seen, Sighting
 from slurmft.db.models import EventKind, FaultClass, NodeRole
 from slurmft.db.states import RunState
 from slurmft.gpu.api import FaultAction
@@ -478,3 +480,44 @@ def test_an_agent_reported_fault_is_acted_on_once_and_not_recorded_again() -> No
     assert _summary(actions) == [("ExcludeNode", "n2"), ("DrainNode", "n2")]
     assert all(a.evidence["key"] == "gpu:42" for a in actions)
     assert decide(_view(_run(gpu_faults=(reported,), reported=frozenset({"gpu:42"}))), POLICY) == []
+
+
+def _failure(at: datetime, ended_round: str) -> Sighting:
+    return Sighting(Seen.FAILURE, at, agent="a", rank=0, round=ended_round)
+
+
+def test_the_crash_loop_count_is_decided_from_the_evidence_and_recorded_once() -> None:
+    """gather reads the reports; decide counts them (the restarts since the newest checkpoint,
+    one per rendezvous round), says what to record, and stops the run past the cap."""
+    start = NOW - timedelta(minutes=20)
+    progress = Sighting(Seen.CHECKPOINT, start, step=20)
+    failures = tuple(_failure(start + timedelta(seconds=90 * i), f"7.1/{i}") for i in range(1, 4))
+    lost = Sighting(Seen.NODE_REMOVED, start + timedelta(seconds=91))  # the first one: a node
+    evidence = RestartEvidence(
+        since=start - timedelta(hours=1), progress=progress, restarts=failures, causes=(lost,)
+    )
+    run = _run(restarts=evidence, budget=RestartBudget(restarts_without_progress=4))
+    (record, *rest) = decide(_view(run), POLICY)
+    assert isinstance(record, RecordRestarts) and rest == []
+    assert (record.restarts_without_progress, record.last_progress_at) == (2, start)
+    assert [(r.key, r.cause, r.node_removed) for r in record.restarts] == [
+        ("7.1/1", FaultClass.HARDWARE, True),
+        ("7.1/2", FaultClass.USER_CODE, False),
+        ("7.1/3", FaultClass.USER_CODE, False),
+    ]
+    # The next pass, with all of it recorded: nothing to do.
+    recorded = {r.key: (r.cause, r.node_removed) for r in record.restarts}
+    again = replace(
+        run,
+        budget=RestartBudget(restarts_without_progress=2),
+        restarts=replace(evidence, progress_at=start, recorded=recorded),
+    )
+    assert decide(_view(again), POLICY) == []
+    # Four more failures in a row: past the cap of 5, the run stops, the count recorded first.
+    more = tuple(_failure(start + timedelta(seconds=90 * i), f"7.1/{i}") for i in range(4, 8))
+    spent = replace(again, restarts=replace(again.restarts, restarts=failures + more))
+    actions = decide(_view(spent), POLICY)
+    assert _summary(actions)[0][0] == "RecordRestarts"
+    assert actions[0].restarts_without_progress == 6  # type: ignore[attr-defined]
+    assert ("FinishRun", "stopped") in _summary(actions)
+    assert "crash loop: 5 restarts in a row without progress" in actions[1].reason
