@@ -40,7 +40,7 @@ from slurmft.controller.health import LoopLiveness, OpsServer, check_health
 from slurmft.controller.http import IngestServer
 from slurmft.controller.metrics import SCHEDULER_EVENTS, DaemonMetrics, TimedRunner
 from slurmft.controller.notify import Notifier
-from slurmft.controller.observe import gather
+from slurmft.controller.observe import observe
 from slurmft.controller.resubmit import OwnerSubmitter
 from slurmft.controller.rpc import SOCKET_NAME, RpcServer
 from slurmft.controller.step_window import StepWindows
@@ -146,7 +146,7 @@ class Daemon:
         """One observe → decide → act pass; returns the number of actions taken."""
         try:
             with self.database.session() as session:
-                view = gather(
+                view = observe(
                     session,
                     self.slurm,
                     now=self.clock(),

@@ -1,5 +1,7 @@
-"""From what Slurm and the store say to the views ``decide`` takes. The mapping is pure; only
-``gather`` does I/O (one batched Slurm query for all jobs, one for all their nodes)."""
+"""From what Slurm and the store say to the views ``decide`` takes: the observe stage of a
+control pass. ``read_slurm`` asks Slurm (one batched query for all jobs, one for all nodes),
+``reconcile`` records what it says (the only writer here), ``gather`` reads the store into the
+view; ``observe`` runs the three in that order. The mapping into views is pure."""
 
 from __future__ import annotations
 
@@ -176,7 +178,18 @@ FINDING_KINDS = (
 )
 
 
-def gather(
+@dataclass(frozen=True)
+class SlurmSnapshot:
+    """The tracked runs with their latest attempts, and what Slurm says of their jobs and of
+    every node: two batched queries (and the details of the jobs that need them)."""
+
+    runs: tuple[Run, ...]
+    attempts: Mapping[str, Attempt | None]  # each run's latest attempt, by run id
+    jobs: Mapping[str, JobInfo]
+    nodes: Mapping[str, NodeInfo]
+
+
+def observe(
     session: Session,
     slurm: SlurmClient,
     *,
@@ -185,11 +198,21 @@ def gather(
     buckets: int = 5,
     steps: StepWindows | None = None,
 ) -> ClusterView:
-    """Everything ``decide`` needs, from the store and two batched Slurm queries.
+    """The observe stage of a control pass: ask Slurm (`read_slurm`), record what it says about
+    the tracked jobs (`reconcile`, the one writer), then read everything ``decide`` needs
+    (`gather`). Slurm unreachable: nothing recorded, a view that decides nothing."""
+    snapshot = read_slurm(session, slurm)
+    if snapshot is None:
+        return ClusterView(now=now, slurm_reachable=False)
+    tracked = {run.id: (run, snapshot.attempts[run.id]) for run in snapshot.runs}
+    reconcile(session, tracked, snapshot.jobs, now=now)
+    return gather(session, snapshot, now=now, bucket=bucket, buckets=buckets, steps=steps)
 
-    With ``steps`` (the daemon's, kept between passes) the straggler window's step times are
-    read incrementally; without it, whole."""
-    runs = session.scalars(select(Run).where(Run.state.in_(LIVE_RUN_STATES))).all()
+
+def read_slurm(session: Session, slurm: SlurmClient) -> SlurmSnapshot | None:
+    """The live runs and Slurm's view of their jobs and of the nodes; None when Slurm does not
+    answer (nothing is decided on stale information)."""
+    runs = tuple(session.scalars(select(Run).where(Run.state.in_(LIVE_RUN_STATES))).all())
     attempts = {run.id: _latest_attempt(session, run.id) for run in runs}
     job_ids = sorted({a.slurm_job_id for a in attempts.values() if a and a.slurm_job_id})
     try:
@@ -201,8 +224,24 @@ def gather(
             [j for j in job_ids if j not in jobs or _needs_details(jobs[j], by_job[j])],
         )
     except (SlurmUnreachable, SlurmTimeout):
-        return ClusterView(now=now, slurm_reachable=False)
-    reconcile(session, {run.id: (run, attempts[run.id]) for run in runs}, jobs, now=now)
+        return None
+    return SlurmSnapshot(runs, attempts, jobs, nodes)
+
+
+def gather(
+    session: Session,
+    snapshot: SlurmSnapshot,
+    *,
+    now: datetime,
+    bucket: timedelta = timedelta(minutes=1),
+    buckets: int = 5,
+    steps: StepWindows | None = None,
+) -> ClusterView:
+    """Everything ``decide`` needs, from the store and Slurm's snapshot. Reads only.
+
+    With ``steps`` (the daemon's, kept between passes) the straggler window's step times are
+    read incrementally; without it, whole."""
+    runs = snapshot.runs
     if steps is not None:
         steps.keep_only({run.id for run in runs})  # an ended run's window is forgotten
     attempts = {run.id: _latest_attempt(session, run.id) for run in runs}  # requeues add one
@@ -211,8 +250,8 @@ def gather(
             session,
             run,
             attempts[run.id],
-            jobs,
-            nodes,
+            snapshot.jobs,
+            snapshot.nodes,
             now=now,
             bucket=bucket,
             buckets=buckets,
@@ -220,6 +259,7 @@ def gather(
         )
         for run in runs
     )
+    nodes = snapshot.nodes
     return ClusterView(
         now=now,
         slurm_reachable=True,

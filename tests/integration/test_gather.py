@@ -9,10 +9,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit" / "slurm"))
 
 from slurm_recordings import ReplayRunner
-from sqlalchemy import select
+from sqlalchemy import event, select
 
 from slurmft.controller.decide import Policy, TrustPolicy, decide, lemon_nodes
-from slurmft.controller.observe import gather
+from slurmft.controller.observe import gather, observe, read_slurm
 from slurmft.controller.reconcile import reconcile
 from slurmft.controller.views import ExcludeNode, JobPhase, NotifyHuman
 from slurmft.db import Database
@@ -99,7 +99,7 @@ def test_gather_builds_the_view_and_the_drain_cap_holds(database: Database) -> N
     # The job is COMPLETING after a requeue: it is read in detail too (scontrol's Restarts).
     runner = ReplayRunner(["squeue_requeued", "sinfo_nodes_drained", "show_job_requeued"])
     with database.session() as s:
-        view = gather(s, CliSlurmClient(runner), now=NOW)
+        view = observe(s, CliSlurmClient(runner), now=NOW)
     assert runner.exhausted
     assert view.slurm_reachable and view.partition_nodes == 6
     # The Xids of the lemon window, every run's: decide judges n5 a lemon from them.
@@ -123,7 +123,7 @@ def test_slurm_unreachable_means_no_view(database: Database) -> None:
     runner = ReplayRunner(["squeue_unreachable"])
     with database.session() as s:
         # The run's attempt asks for job 14, exactly what the recording asked for.
-        view = gather(s, CliSlurmClient(runner), now=NOW)
+        view = observe(s, CliSlurmClient(runner), now=NOW)
     assert not view.slurm_reachable and view.runs == ()
 
 
@@ -157,7 +157,7 @@ def test_a_requeue_seen_only_while_completing_opens_the_next_attempt(database: D
     _running_attempt(database, batch_host="n1")
     runner = ReplayRunner(["squeue_requeued", "sinfo_nodes_drained", "show_job_requeued"])
     with database.session() as s:
-        gather(s, CliSlurmClient(runner), now=NOW)
+        observe(s, CliSlurmClient(runner), now=NOW)
     assert runner.exhausted
     assert _attempts(database) == [(1, AttemptState.REQUEUED, 0), (2, AttemptState.SUBMITTED, 1)]
     with database.session() as s:
@@ -197,7 +197,35 @@ def test_a_failed_keyed_action_is_decided_again_after_a_while(database: Database
             )
     runner = ReplayRunner(["squeue_requeued", "sinfo_nodes_drained", "show_job_requeued"])
     with database.session() as s:
-        view = gather(s, CliSlurmClient(runner), now=NOW)
+        view = observe(s, CliSlurmClient(runner), now=NOW)
     run = next(r for r in view.runs if r.run_id == "r14")
     assert {"resubmit:12", "gpu:7"} <= run.reported
     assert "resubmit:13" not in run.reported
+
+
+def test_gather_only_reads_and_reconcile_writes(database: Database) -> None:
+    """The observe stage's one writer is reconcile: gather, which builds the view decide takes
+    from the store, sends no INSERT, UPDATE or DELETE, whatever the run went through."""
+    _seed(database)
+    runner = ReplayRunner(["squeue_requeued", "sinfo_nodes_drained", "show_job_requeued"])
+    written: list[str] = []
+
+    def note_writes(_conn: object, _cursor: object, statement: str, *_: object) -> None:
+        if statement.lstrip().split(None, 1)[0].upper() in {"INSERT", "UPDATE", "DELETE"}:
+            written.append(statement)
+
+    with database.session() as s:
+        snapshot = read_slurm(s, CliSlurmClient(runner))
+        assert snapshot is not None
+        tracked = {run.id: (run, snapshot.attempts[run.id]) for run in snapshot.runs}
+        event.listen(database.engine, "before_cursor_execute", note_writes)
+        try:
+            reconcile(s, tracked, snapshot.jobs, now=NOW)
+            assert written, "the requeue in the recording is recorded"
+            written.clear()
+            view = gather(s, snapshot, now=NOW)
+            s.flush()
+        finally:
+            event.remove(database.engine, "before_cursor_execute", note_writes)
+    assert written == []
+    assert any(r.run_id == "r14" for r in view.runs)

@@ -13,7 +13,7 @@ from sqlalchemy import select
 
 from slurmft.controller.act import Executor
 from slurmft.controller.decide import Policy, decide
-from slurmft.controller.observe import gather
+from slurmft.controller.observe import observe
 from slurmft.controller.views import ClusterView, ExcludeNode, JobPhase, NodeCondition, RecordEvent
 from slurmft.db import Database
 from slurmft.db.models import Action, ActionKind, ActionStatus, Attempt, Event, EventKind
@@ -33,7 +33,7 @@ def database(tmp_path: Path) -> Iterator[Database]:
 
 def _observe(database: Database, cluster: Cluster) -> ClusterView:
     with database.session() as session:
-        return gather(session, cluster.client, now=datetime.now(UTC))
+        return observe(session, cluster.client, now=datetime.now(UTC))
 
 
 def test_a_killed_node_is_seen_recorded_and_excluded_once(
