@@ -25,6 +25,7 @@ from typing import Any
 
 from slurmft.agent import rdzv_fix, rounds
 from slurmft.agent.exits import AgentExit
+from slurmft.core import torch_support
 
 PREFIX = "slurmft launcher:"
 
@@ -65,10 +66,11 @@ def prepare_rendezvous(
             f"rendezvous state poll {rdzv_fix.poll_interval(module):g} s"
         )
         return None
+    tested = ", ".join(torch_support.patch(torch_support.WAIT_LIST_FIX).known)
     say(
         f"the wait-list fix does not know torch {torch.__version__}'s rendezvous internals ("
         + "; ".join(problems)
-        + "): running without hot spares"
+        + f"; tested with torch {tested}): running without hot spares"
     )
     if spare_candidate:
         say("this agent is a spare candidate: not joining (spares need the fix)")

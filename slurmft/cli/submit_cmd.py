@@ -101,6 +101,10 @@ def submit(  # noqa: PLR0917 (typer: one parameter per option)
         "partition": partition,
     }
     spec = _spec_from(spec_file, list(script or []), options)
+    from slurmft.core import torch_support
+
+    for warning in torch_support.warnings_for(torch_support.installed_version(), spec.spares):
+        typer.echo(warning, err=True)
     cli = state(ctx)
     socket_path = cli.config.runtime_dir / SOCKET_NAME
     created = call(socket_path, "create_run", spec=spec.to_dict())
