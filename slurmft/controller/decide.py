@@ -201,7 +201,7 @@ def _decide_run(
         ]
     if job is None:
         return []
-    if job.phase is JobPhase.PENDING:
+    if job.phase is JobPhase.WAITING:
         # Waiting: nothing to recover; a node lost as the job was requeued is still recorded.
         return _lost_nodes(run, view, policy, gate)[0]
     if job.phase is JobPhase.ENDED:

@@ -56,7 +56,6 @@ from slurmft.slurm.api import (
     SlurmTimeout,
     SlurmUnreachable,
 )
-from slurmft.slurm.states import JobPhase as SlurmPhase
 from slurmft.slurm.states import JobState
 
 # Drains whose reason starts with this are slurmft's own; any other drain is someone else's.
@@ -107,11 +106,11 @@ def job_end(info: JobInfo) -> JobEnd:
 def job_view(info: JobInfo, nodes: Mapping[str, NodeInfo]) -> JobView | None:
     """None when the state is one this Slurm table does not know: never act on it."""
     phase = info.state.phase
-    if phase is SlurmPhase.UNKNOWN:
+    if phase is JobPhase.UNKNOWN:
         return None
-    if phase is SlurmPhase.WAITING:
-        return JobView(info.job_id, JobPhase.PENDING)
-    if phase is SlurmPhase.ENDED:
+    if phase is JobPhase.WAITING:
+        return JobView(info.job_id, JobPhase.WAITING)
+    if phase is JobPhase.ENDED:
         return JobView(info.job_id, JobPhase.ENDED, end=job_end(info))
     host = info.batch_host or None
     # Only a RUNNING job is stuck on a dead batch host: one that is COMPLETING (requeued or
@@ -121,7 +120,7 @@ def job_view(info: JobInfo, nodes: Mapping[str, NodeInfo]) -> JobView | None:
         and host is not None
         and node_condition(nodes.get(host)) is NodeCondition.LOST
     )
-    return JobView(info.job_id, JobPhase.RUNNING, batch_host=host, batch_host_down=host_down)
+    return JobView(info.job_id, JobPhase.ACTIVE, batch_host=host, batch_host_down=host_down)
 
 
 @dataclass(frozen=True)
@@ -336,7 +335,7 @@ def _run_view(
         job=job,
         nodes=(
             _lost_by_requeue(session, attempt, nodes)
-            if job is not None and job.phase is JobPhase.PENDING
+            if job is not None and job.phase is JobPhase.WAITING
             else _node_views(session, attempt, info, nodes)
         ),
         beats=_beats(session, run.id, attempt, placed_since),

@@ -16,7 +16,7 @@ from typing import Any
 from slurmft.controller.detect import RankBeat, RankCompute
 from slurmft.core.budget import ChargedRestart, RestartBudget, Sighting
 from slurmft.core.kinds import EventKind, FaultClass, NodeRole
-from slurmft.core.states import RunState
+from slurmft.core.states import JobPhase, RunState
 from slurmft.gpu.api import FaultAction
 from slurmft.gpu.lemons import XidOccurrence
 
@@ -27,12 +27,6 @@ class NodeCondition(StrEnum):
     OK = "ok"
     LOST = "lost"  # DOWN, NOT_RESPONDING, or gone from the job
     DRAINED_BY_OTHERS = "drained_by_others"  # someone else's drain: never undone by slurmft
-
-
-class JobPhase(StrEnum):
-    PENDING = "pending"
-    RUNNING = "running"
-    ENDED = "ended"
 
 
 class JobEnd(StrEnum):

@@ -5,7 +5,8 @@ values, the agent, the batch step and the daemon's policy decide with them; none
 be imported from here, so the node side never pays for the daemon's or the store's imports.
 
 - `kinds`: node roles, fault classes, event kinds, action kinds and statuses (stored values).
-- `states`: the run and attempt state machines, with their legal transitions.
+- `states`: the run and attempt state machines, with their legal transitions, and the phase
+  of a Slurm job (waiting, active, ended) that both the Slurm client and the policy use.
 - `exits`: the exit codes the agent and the batch step end with, and what each means.
 - `budget`: the restart budget and the one rule of progress that resets it.
 - `torch_support`: which torch versions each of slurmft's torch patches was tested with.

@@ -1,4 +1,6 @@
-"""Run and attempt state machines, written down in one place.
+"""Run and attempt state machines, written down in one place, and what a Slurm job's state
+means for a run (`JobPhase`: the Slurm client maps each state to one, the controller decides
+by it).
 
 An illegal transition raises :class:`IllegalTransition`; the models call :func:`check_transition`
 whenever a state is assigned, so no code path can skip the rules.
@@ -141,3 +143,12 @@ def check_transition(current: S | None, new: S, table: dict[S, frozenset[S]]) ->
             f"{type(new).__name__} cannot go from {current.value} to {new.value}; "
             f"allowed from {current.value}: {allowed}"
         )
+
+
+class JobPhase(enum.Enum):
+    """What a job state means for the nodes and for the run."""
+
+    WAITING = "waiting"  # queued: holds no nodes, will (or may) start
+    ACTIVE = "active"  # holds nodes: running, or on its way in or out
+    ENDED = "ended"  # final: Slurm will not run this job id again by itself
+    UNKNOWN = "unknown"  # a state this table does not know (a newer Slurm): never act on it

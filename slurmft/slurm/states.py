@@ -11,16 +11,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from enum import Enum, StrEnum
+from enum import StrEnum
 
-
-class JobPhase(Enum):
-    """What a job state means for the nodes and for the run."""
-
-    WAITING = "waiting"  # queued: holds no nodes, will (or may) start
-    ACTIVE = "active"  # holds nodes: running, or on its way in or out
-    ENDED = "ended"  # final: Slurm will not run this job id again by itself
-    UNKNOWN = "unknown"  # a state this table does not know (a newer Slurm): never act on it
+from slurmft.core.states import JobPhase
 
 
 class JobState(StrEnum):

@@ -105,7 +105,7 @@ def test_gather_builds_the_view_and_the_drain_cap_holds(database: Database) -> N
     # The Xids of the lemon window, every run's: decide judges n5 a lemon from them.
     assert lemon_nodes(view, TrustPolicy()) == {"n5"}
     run = next(r for r in view.runs if r.run_id == "r14")
-    assert run.job is not None and run.job.phase is JobPhase.RUNNING
+    assert run.job is not None and run.job.phase is JobPhase.ACTIVE
     (fault,) = run.gpu_faults
     assert (fault.node, fault.action, fault.xid, fault.gpu) == ("n4", FaultAction.DRAIN, 79, 3)
     assert view.drained_nodes == 1  # n3 is draining with a slurmft reason in the recording

@@ -48,7 +48,7 @@ def test_a_killed_node_is_seen_recorded_and_excluded_once(
 
     healthy = _observe(database, cluster)
     (run_view,) = healthy.runs
-    assert run_view.job is not None and run_view.job.phase is JobPhase.RUNNING
+    assert run_view.job is not None and run_view.job.phase is JobPhase.ACTIVE
     assert {n.name for n in run_view.nodes} == set(job.nodes)
     assert decide(healthy, policy) == []
     with database.session() as s:  # observe recorded what Slurm says
@@ -82,5 +82,5 @@ def test_a_killed_node_is_seen_recorded_and_excluded_once(
         assert victim in denied_nodes(s, run_id="rloop")
     again = _observe(database, cluster)
     assert decide(again, policy) == []  # recorded once, excluded once
-    assert again.runs[0].job is not None and again.runs[0].job.phase is JobPhase.RUNNING
+    assert again.runs[0].job is not None and again.runs[0].job.phase is JobPhase.ACTIVE
     print(f"kill -> controller sees {victim} lost: {seconds:.1f} s")

@@ -40,7 +40,7 @@ from slurmft.gpu.lemons import XidOccurrence
 
 NOW = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
 POLICY = Policy(straggler_window_buckets=3)
-RUNNING = JobView("101", JobPhase.RUNNING, batch_host="n1")
+RUNNING = JobView("101", JobPhase.ACTIVE, batch_host="n1")
 
 
 def _nodes(
@@ -138,12 +138,12 @@ CASES = [
         _view(_run(nodes=_nodes(lost=("n2",))), slurm_reachable=False),
         [],
     ),
-    ("pending job: wait", _view(_run(job=JobView("101", JobPhase.PENDING))), []),
+    ("pending job: wait", _view(_run(job=JobView("101", JobPhase.WAITING))), []),
     (
         "pending job, a node of its requeued attempt lost: record and exclude it, nothing else",
         _view(
             _run(
-                job=JobView("101", JobPhase.PENDING),
+                job=JobView("101", JobPhase.WAITING),
                 nodes=(NodeView("n2", NodeRole.ACTIVE, NodeCondition.LOST),),
             )
         ),
@@ -355,7 +355,7 @@ CASES = [
     ),
     (
         "owner cancels a pending run",
-        _view(_run(cancel_requested=True, job=JobView("101", JobPhase.PENDING))),
+        _view(_run(cancel_requested=True, job=JobView("101", JobPhase.WAITING))),
         [("FinishRun", "cancelled")],
     ),
     (

@@ -49,7 +49,7 @@ def test_running_job_whose_batch_host_died() -> None:
     job = _job("show_job_batch_host_down")
     nodes = parse_sinfo_nodes(_stdout("sinfo_nodes_down"))
     view = job_view(job, nodes)
-    assert view is not None and view.phase is JobPhase.RUNNING
+    assert view is not None and view.phase is JobPhase.ACTIVE
     assert view.batch_host == "n1" and view.batch_host_down
 
 
@@ -59,12 +59,12 @@ def test_a_requeued_job_completing_on_its_dead_batch_host_is_not_requeued_again(
     running = _job("show_job_batch_host_down")
     completing = dataclasses.replace(running, state=JobState.COMPLETING)
     view = job_view(completing, parse_sinfo_nodes(_stdout("sinfo_nodes_down")))
-    assert view is not None and view.phase is JobPhase.RUNNING and not view.batch_host_down
+    assert view is not None and view.phase is JobPhase.ACTIVE and not view.batch_host_down
 
 
 def test_running_job_with_a_live_batch_host() -> None:
     view = job_view(_job("show_job_running"), parse_sinfo_nodes(_stdout("sinfo_nodes_drained")))
-    assert view is not None and view.phase is JobPhase.RUNNING and not view.batch_host_down
+    assert view is not None and view.phase is JobPhase.ACTIVE and not view.batch_host_down
 
 
 def test_ended_and_waiting_jobs() -> None:
@@ -74,7 +74,7 @@ def test_ended_and_waiting_jobs() -> None:
         JobEnd.FINISHED,
     )
     requeued = job_view(_job("show_job_pending_excluded"), {})
-    assert requeued is not None and requeued.phase is JobPhase.PENDING
+    assert requeued is not None and requeued.phase is JobPhase.WAITING
 
 
 @pytest.mark.parametrize(
