@@ -244,7 +244,7 @@ def _job_ended(run: RunView, job: JobView, view: ClusterView) -> list[Action]:
     end = job.end or JobEnd.FAILED
     if end is JobEnd.FINISHED:
         return [FinishRun(run.run_id, "the training script finished", state=RunState.COMPLETED)]
-    if end is JobEnd.GAVE_UP:
+    if end is JobEnd.GIVE_UP:
         return _stop(
             run, "the batch step stopped at the restart budget: " + run.budget.stop_reason()
         )

@@ -71,7 +71,7 @@ _END_BY_STATE = {
 }
 _END_BY_EXIT = {
     BatchExit.FINISHED: JobEnd.FINISHED,
-    BatchExit.GIVE_UP: JobEnd.GAVE_UP,
+    BatchExit.GIVE_UP: JobEnd.GIVE_UP,
     # Fewer than N usable nodes and the self-requeue was refused: nodes were lost.
     BatchExit.REQUEUE: JobEnd.NODE_FAIL,
 }

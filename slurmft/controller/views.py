@@ -31,7 +31,7 @@ class NodeCondition(StrEnum):
 
 class JobEnd(StrEnum):
     FINISHED = "finished"  # the batch step says the training script completed
-    GAVE_UP = "gave_up"  # the batch step stopped at the restart budget
+    GIVE_UP = "give_up"  # the batch step stopped at the restart budget (BatchExit.GIVE_UP)
     TIME_LIMIT = "time_limit"
     PREEMPTED = "preempted"
     CANCELLED = "cancelled"

@@ -345,7 +345,7 @@ CASES = [
     ),
     (
         "batch step gave up: stopped, a human told",
-        _view(_run(job=JobView("101", JobPhase.ENDED, JobEnd.GAVE_UP))),
+        _view(_run(job=JobView("101", JobPhase.ENDED, JobEnd.GIVE_UP))),
         [("FinishRun", "stopped"), ("NotifyHuman", "")],
     ),
     (

@@ -85,7 +85,7 @@ def test_ended_and_waiting_jobs() -> None:
         (JobState.CANCELLED, "0:15", JobEnd.CANCELLED),
         (JobState.NODE_FAIL, "0:0", JobEnd.NODE_FAIL),
         (JobState.COMPLETED, "0:0", JobEnd.FINISHED),
-        (JobState.FAILED, "3:0", JobEnd.GAVE_UP),
+        (JobState.FAILED, "3:0", JobEnd.GIVE_UP),
         (JobState.FAILED, "4:0", JobEnd.NODE_FAIL),
         (JobState.FAILED, "1:0", JobEnd.FAILED),
         (JobState.FAILED, "0:9", JobEnd.FAILED),
