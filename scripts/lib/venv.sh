@@ -30,4 +30,10 @@ ensure_venv() {
     fi
     echo "installing slurmft with its extras" >&2
     .venv/bin/python -m pip install -q -e '.[train,postgres,dev,report]' >&2
+    # slurmft's own bytecode, once: an editable install compiles nothing, and where
+    # PYTHONDONTWRITEBYTECODE is set (CI images often set it) every process that imports slurmft
+    # (each agent, batch step, CLI call and training rank) would compile its modules again,
+    # about 0.15-0.2 s of CPU each (scripts/bench/imports.py). A stale file is recompiled in
+    # memory, never trusted: Python checks the source's mtime.
+    .venv/bin/python -m compileall -q -j 0 slurmft migrations >/dev/null
 }
