@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from local_cluster import Cluster, wait_for
+from local_cluster import Cluster
+from support.waiting import wait_for_value
 
 from slurmft.slurm.api import SignalTarget, SlurmBadRequest, SlurmJobNotFound, SlurmUnreachable
 from slurmft.slurm.cli_backend import CliSlurmClient
@@ -53,7 +54,9 @@ def test_three_node_job_runs_on_the_nodes_slurm_reports(cluster: Cluster) -> Non
     assert len(job.nodes) == 3 and "n1" not in job.nodes
     assert job.batch_host in job.nodes
     assert run_id_from_comment(job.comment) == "contract-3n"
-    wait_for("3 tasks to start", lambda: nodes_that_ran(cluster.tmp_path), lambda s: len(s) == 3)
+    wait_for_value(
+        "3 tasks to start", lambda: nodes_that_ran(cluster.tmp_path), lambda s: len(s) == 3
+    )
     assert nodes_that_ran(cluster.tmp_path) == set(job.nodes)
     # The batched query agrees with the detailed one.
     assert cluster.client.jobs([job_id])[job_id].nodes == job.nodes
@@ -71,7 +74,7 @@ def test_drain_with_a_reason_reads_back_exactly(cluster: Cluster) -> None:
         assert info.reason_user == "root"
     cluster.client.resume("n4")
     # Right after RESUME slurmctld reads the node as `idle*` until its slurmd answers a ping.
-    wait_for("n4 back", lambda: cluster.client.node("n4"), lambda n: n.status.schedulable, 10)
+    wait_for_value("n4 back", lambda: cluster.client.node("n4"), lambda n: n.status.schedulable, 10)
 
 
 def test_killed_node_goes_down_and_the_no_kill_job_shrinks(cluster: Cluster) -> None:
@@ -79,11 +82,11 @@ def test_killed_node_goes_down_and_the_no_kill_job_shrinks(cluster: Cluster) -> 
     job, _ = cluster.wait_running(job_id)
     victim = next(node for node in job.nodes if node != job.batch_host)
     cluster.kill_node(victim)
-    node, seconds = wait_for(
+    node, seconds = wait_for_value(
         f"{victim} DOWN", lambda: cluster.client.node(victim), lambda n: n.status.down, 30
     )
     assert node.status.lost and not node.status.schedulable
-    shrunk, _ = wait_for(
+    shrunk, _ = wait_for_value(
         f"job {job_id} to shrink",
         lambda: cluster.client.job(job_id),
         lambda j: victim not in j.nodes,
@@ -100,7 +103,7 @@ def test_requeue_with_a_node_excluded_runs_without_it(cluster: Cluster) -> None:
     job, _ = cluster.wait_running(job_id)
     bad = job.nodes[1]
     cluster.client.requeue(job_id, exclude=[bad])
-    rerun, seconds = wait_for(
+    rerun, seconds = wait_for_value(
         f"job {job_id} running again",
         lambda: cluster.client.job(job_id),
         lambda j: j.state is JobState.RUNNING and j.restarts == 1,
@@ -116,7 +119,7 @@ def test_job_whose_batch_host_died_is_reported(cluster: Cluster) -> None:
     job, _ = cluster.wait_running(job_id)
     assert not cluster.client.batch_host_down(job_id)
     cluster.kill_node(job.batch_host)
-    _, seconds = wait_for(
+    _, seconds = wait_for_value(
         "the dead batch host to be noticed",
         lambda: cluster.client.batch_host_down(job_id),
         lambda down: down,
@@ -155,7 +158,7 @@ def test_hostile_names_and_arguments_stay_inert(cluster: Cluster, tmp_path: Path
         env={"RUN_NAME": run_name},
         output=str(out),
     )
-    job, _ = wait_for(
+    job, _ = wait_for_value(
         f"job {job_id} to finish",
         lambda: cluster.client.jobs([job_id]).get(job_id),
         lambda j: j is not None and j.state.is_ended,
@@ -217,12 +220,12 @@ def test_signal_reaches_steps_or_batch_shell(cluster: Cluster) -> None:
         "while true; do sleep 0.1; done\n"
     )
     job_id = cluster.submit(["bash", "-c", batch_shell], nodes=1)
-    wait_for("the step", (d / "step-ready").exists, lambda ready: ready, 30)
+    wait_for_value("the step", (d / "step-ready").exists, lambda ready: ready, 30)
     cluster.client.signal(job_id, "USR1", SignalTarget.STEPS)
-    wait_for("USR1 in the step", (d / "step-usr1").exists, lambda got: got, 10)
+    wait_for_value("USR1 in the step", (d / "step-usr1").exists, lambda got: got, 10)
     assert not (d / "batch-usr1").exists()  # measured on 22.05: steps only
     cluster.client.signal(job_id, "USR1", SignalTarget.BATCH)
-    wait_for("USR1 in the batch shell", (d / "batch-usr1").exists, lambda got: got, 10)
+    wait_for_value("USR1 in the batch shell", (d / "batch-usr1").exists, lambda got: got, 10)
 
 
 def test_cluster_up_again_is_harmless(slurm_conf: Path) -> None:
