@@ -12,7 +12,7 @@ from pathlib import Path
 
 from slurmft.slurm.runner import CommandResult
 
-FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "slurm"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "slurm"
 RECORDED_VERSION = "22.05"
 
 
