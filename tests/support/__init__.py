@@ -10,5 +10,7 @@ tests/ on the path, so these import as ``support.<module>`` from any test or hel
 
 A fake here has a contract test that runs the same assertions against the fake and against
 its real counterpart: tests/integration/test_daemon_contract.py for FakeController,
-tests/unit/gpu/test_nvml_contract.py for FakeNvml (its real half marked `gpu`).
+tests/unit/gpu/test_nvml_contract.py for FakeNvml (its real half marked `gpu`),
+tests/integration/slurm/test_slurm_contract.py for the recorded Slurm output (its real half
+marked `slurm`).
 """

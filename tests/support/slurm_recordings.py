@@ -1,7 +1,10 @@
-"""Recorded real Slurm output (tests/fixtures/slurm/) and a fake runner that replays it.
+"""Recorded real Slurm output (tests/fixtures/slurm/) and two fake runners that replay it.
 
-The fake checks that the client asks for exactly the argv that was recorded from the real
-command, so the parsers are only ever fed output that real Slurm printed for that argv.
+Both check that the client asks for exactly the argv that was recorded from the real command,
+so the parsers are only ever fed output that real Slurm printed for that argv. ReplayRunner
+answers a given sequence of calls in order; RecordedCluster answers any call from the
+recordings of one moment of the recorded cluster (the Slurm contract's fake half,
+tests/integration/slurm/test_slurm_contract.py).
 """
 
 from __future__ import annotations
@@ -41,6 +44,30 @@ class ReplayRunner:
     @property
     def exhausted(self) -> bool:
         return not self._queue
+
+
+class RecordedCluster:
+    """The recorded cluster at one moment: each call is answered with the recording of its
+    argv among that moment's recordings; an argv not recorded then fails the test."""
+
+    def __init__(self, names: Sequence[str]) -> None:
+        self.calls: list[tuple[str, ...]] = []
+        self._answers: dict[tuple[str, ...], CommandResult] = {}
+        self.at(*names)
+
+    def at(self, *names: str) -> None:
+        """Move to the moment these recordings were taken in (one recording per argv)."""
+        recordings = {name: load_recording(name) for name in names}
+        self._answers = {recording.argv: recording for recording in recordings.values()}
+        assert len(self._answers) == len(recordings), f"two of {names} answer the same argv"
+
+    def run(
+        self, argv: Sequence[str], timeout: float, *, stdin: str | None = None
+    ) -> CommandResult:
+        assert tuple(argv) in self._answers, f"not recorded at this moment: {list(argv)}"
+        assert timeout > 0
+        self.calls.append(tuple(argv))
+        return self._answers[tuple(argv)]
 
 
 def jobs_asked(result: CommandResult) -> list[str]:

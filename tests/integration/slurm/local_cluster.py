@@ -69,8 +69,12 @@ class Cluster:
         )
 
     def drain(self, node: str, reason: str) -> None:
-        self._drained.add(node)
+        self.resume_after(node)
         self.client.drain(node, reason)
+
+    def resume_after(self, node: str) -> None:
+        """Resume ``node`` when the test ends: for a test that drains it through the client."""
+        self._drained.add(node)
 
     def kill_node(self, node: str) -> None:
         self._killed.add(node)
