@@ -153,7 +153,7 @@ def test_resume_brings_a_drained_node_back(cluster: Cluster) -> None:
 
 
 @pytest.mark.slurm
-def test_a_killed_node_goes_down_and_the_no_kill_job_shrinks(cluster: Cluster) -> None:
+def test_killed_node_goes_down_and_the_no_kill_job_shrinks(cluster: Cluster) -> None:
     job_id = cluster.submit(agent_step(3, cluster.tmp_path), nodes=3)
     job, _ = cluster.wait_running(job_id)
     victim = next(node for node in job.nodes if node != job.batch_host)
