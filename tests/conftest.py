@@ -1,14 +1,17 @@
 """Shared test policy.
 
 Tests that need a real component (the local Slurm cluster, PostgreSQL, torch, the two test
-users of `scripts/test-users`) carry a marker. Where the component is absent they are skipped in
-a developer's ad-hoc run, but `scripts/test` (and so CI) sets
+users of `scripts/test-users`, an NVIDIA GPU) carry a marker. Where the component is absent they
+are skipped in a developer's ad-hoc run, but `scripts/test` (and so CI) sets
 SLURMFT_TEST_REQUIRE=slurm,postgres,torch,users, which turns every such skip into a failure: the
-real-component tests always run in CI.
+real-component tests always run in CI. The `gpu` tests are the exception: CI has no GPU, so they
+skip there and run where a driver is (SLURMFT_TEST_REQUIRE=gpu on such a machine makes a missing
+driver a failure). Each is the real half of a contract whose fake half runs everywhere.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import sys
@@ -23,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from slurm_clusters import xdist_worker_index
 from unix_users import TestUsers, make_test_users, missing_users
 
-COMPONENTS = ("slurm", "postgres", "torch", "users")
+COMPONENTS = ("slurm", "postgres", "torch", "users", "gpu")
 
 REQUIRED = {
     name.strip() for name in os.environ.get("SLURMFT_TEST_REQUIRE", "").split(",") if name.strip()
@@ -49,7 +52,27 @@ def _available(component: str) -> tuple[bool, str]:
             return False, "the multi-user tests need root (they switch to the test users)"
         missing = missing_users()
         return not missing, f"no test users {', '.join(missing)} (run: scripts/test-users up)"
+    if component == "gpu":
+        return _nvidia_gpu()
     raise ValueError(component)
+
+
+@functools.cache
+def _nvidia_gpu() -> tuple[bool, str]:
+    """Whether NVML sees a GPU; asked once (nvmlInit takes a while on a real driver)."""
+    try:
+        import pynvml
+    except ImportError:
+        return False, "pynvml is not installed (package nvidia-ml-py)"
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError as error:
+        return False, f"no NVIDIA driver on this machine (NVML: {error})"
+    try:
+        count = int(pynvml.nvmlDeviceGetCount())
+    finally:
+        pynvml.nvmlShutdown()  # the tests start NVML themselves: leave it as found
+    return count > 0, "NVML sees no NVIDIA GPU"
 
 
 def require(component: str) -> None:

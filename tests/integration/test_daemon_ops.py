@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from support.waiting import wait_for, wait_for_value
 
 from slurmft.config import Config, load_config
 from slurmft.controller.daemon import Daemon
@@ -198,12 +199,10 @@ def test_a_stuck_main_loop_fails_healthz_and_stops_the_pings(
     # From the hanging pass on, no pass can end (max_instances=1): a pass already running when
     # the flag was set would end, and bring the pings back, while the test waits for silence.
     assert hung.wait(5), "no control pass started after the flag"
-    stuck_at = time.monotonic()
-    deadline = stuck_at + 5
-    while (status := _get(daemon.metrics_url + "/healthz")[0]) == 200:
-        assert time.monotonic() < deadline, "/healthz never failed"
-        time.sleep(0.1)
-    failed_after = time.monotonic() - stuck_at
+    healthz = daemon.metrics_url + "/healthz"
+    _, failed_after = wait_for_value(
+        "/healthz to fail", lambda: _get(healthz)[0], (200).__ne__, 5, interval_s=0.1
+    )
     status, body = _get(daemon.metrics_url + "/healthz")
     assert status == 503 and '"loop": "stuck"' in body, body
     systemd.drain(0.3)  # a ping sent just before the verdict may still be in flight
@@ -223,12 +222,14 @@ def test_metrics_endpoint_serves_build_info_store_counts_and_slurm_latency(
     daemon = make_daemon()
     seed_run(daemon.database, "rm1", job_id=None)
     daemon.start()
-    deadline = time.monotonic() + 5
     # The counter, not daemon.passes: the pass is counted before its tick adds it to /metrics.
     completed = {"outcome": "completed"}
-    while not daemon.metrics.registry.get_sample_value("slurmft_control_passes_total", completed):
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    wait_for(
+        lambda: daemon.metrics.registry.get_sample_value("slurmft_control_passes_total", completed),
+        5,
+        "a completed control pass on /metrics",
+        interval_s=0.05,
+    )
     refused = urllib.request.Request(daemon.ingest_url + BATCH_PATH, data=b"{}", method="POST")
     with pytest.raises(urllib.error.HTTPError, match="401"):
         urllib.request.urlopen(refused, timeout=5)  # no run token

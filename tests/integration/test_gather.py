@@ -2,14 +2,10 @@
 
 from __future__ import annotations
 
-import sys
 from datetime import UTC, datetime, timedelta
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit" / "slurm"))
-
-from slurm_recordings import ReplayRunner
 from sqlalchemy import event, select
+from support.slurm_recordings import ReplayRunner
 
 from slurmft.controller.decide import Policy, TrustPolicy, decide, lemon_nodes
 from slurmft.controller.observe import gather, observe, read_slurm

@@ -4,13 +4,13 @@ after it is stored, and one bad batch does not take its neighbours down with it.
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable, Sequence
 from datetime import UTC, datetime, timedelta
 
 import msgspec
 import pytest
 from sqlalchemy import func, select
+from support.waiting import wait_for
 
 from slurmft.controller import group_commit
 from slurmft.controller.group_commit import GroupCommitter
@@ -66,10 +66,12 @@ def _submit_together(
     threads = [threading.Thread(target=post, args=(i,)) for i in range(len(posts))]
     for thread in threads:
         thread.start()
-    deadline = time.monotonic() + 10
-    while committer.queued() < len(posts):
-        assert time.monotonic() < deadline, f"{committer.queued()} of {len(posts)} queued"
-        time.sleep(0.01)
+    wait_for(
+        lambda: committer.queued() >= len(posts),
+        10,
+        lambda: f"every post queued: {committer.queued()} of {len(posts)}",
+        interval_s=0.01,
+    )
     committer.start()
     for thread in threads:
         thread.join(30)

@@ -14,10 +14,11 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from support.waiting import wait_for
 
 from slurmft.agent.procs import descendants, kill_tree
 from slurmft.agent.store import StoreSupervisor
@@ -38,21 +39,6 @@ def clean_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
     env.update(extra or {})
     return env
-
-
-def wait_for(
-    check: Callable[[], Any], timeout_s: float, what: str | Callable[[], str], poll_s: float = 0.1
-) -> Any:
-    """`what` may be a callable: then it describes the state at the timeout (logs as they are
-    then), not at the call."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(poll_s)
-    described = what() if callable(what) else what
-    raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {described}")
 
 
 @dataclass

@@ -5,7 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from agent_cluster import AgentCluster, wait_for
+from agent_cluster import AgentCluster
+from support.waiting import wait_for
 
 from slurmft.agent.procs import is_alive
 

@@ -6,11 +6,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from agent_cluster import AgentCluster, wait_for
-from fake_controller import FakeController
+from agent_cluster import AgentCluster
+from support.fake_controller import FakeController
+from support.waiting import wait_for
 
 from slurmft.agent.exits import AgentExit
-from slurmft.protocol import AgentBatch, Command
+from slurmft.protocol import Command
 
 pytestmark = pytest.mark.torch
 
@@ -19,12 +20,7 @@ ARGS = ["--steps", "30", "--ckpt-every", "5", "--work-ms", "150", "--heartbeat-i
 
 
 def test_leave_command_hands_the_node_to_the_spare(tmp_path: Path) -> None:
-    cordoned: set[str] = set()
-
-    def commands_for(batch: AgentBatch) -> list[Command]:
-        return [Command("leave", "node cordoned for this run")] if batch.node in cordoned else []
-
-    controller = FakeController(commands_for).start()
+    controller = FakeController().start()
     run = AgentCluster(tmp_path, 3, ARGS, settings=[f"agent.controller_url={controller.url}",
                                                      "agent.report_interval_s=0.2"])
     try:
@@ -33,7 +29,7 @@ def test_leave_command_hands_the_node_to_the_spare(tmp_path: Path) -> None:
         active = run.active_agents()
         (spare,) = [a for a in run.agents if a not in active]
         leaving = active[1]
-        cordoned.add(f"n{leaving.index}")
+        controller.order(f"n{leaving.index}", Command("leave", "node cordoned for this run"))
         assert leaving.process.wait(timeout=60) == AgentExit.LEFT
         wait_for(spare.worker_pids, 150, f"the spare to train\n{run.logs_tail()}")
         run.wait_done(150)

@@ -8,7 +8,8 @@ import signal
 from pathlib import Path
 
 import pytest
-from agent_cluster import AgentCluster, wait_for
+from agent_cluster import AgentCluster
+from support.waiting import wait_for
 
 pytestmark = pytest.mark.torch
 

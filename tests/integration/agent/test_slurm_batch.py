@@ -29,8 +29,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from agent_cluster import wait_for
 from slurm_clusters import CLUSTER_SCRIPT, own_cluster
+from support.waiting import wait_for
 from unix_users import TestUsers, UnixUser
 
 from slurmft.agent.batch import BatchSpec, submit_request

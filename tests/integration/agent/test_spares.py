@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from agent_cluster import AgentCluster, clean_env, wait_for
+from agent_cluster import AgentCluster, clean_env
+from support.waiting import wait_for
 
 pytestmark = pytest.mark.torch
 

@@ -9,7 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from agent_cluster import free_port, wait_for
+from agent_cluster import free_port
+from support.waiting import wait_for
 
 from slurmft.agent.store import StoreSupervisor, ping_store
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
-from local_cluster import wait_for
+from support.waiting import wait_for_value
 
 from slurmft.controller.rpc import SOCKET_NAME, DaemonUnreachable, call
 
@@ -88,7 +88,7 @@ class DaemonProcess:
             else:
                 argv = [sys.executable, "-m", "slurmft", "daemon"]
                 self.proc = subprocess.Popen(argv, env=self.env, stdout=out, stderr=out)
-        wait_for("the daemon to answer on its socket", self._answers, bool, timeout_s=30)
+        wait_for_value("the daemon to answer on its socket", self._answers, bool, timeout_s=30)
 
     def _answers(self) -> bool:
         assert self.proc is not None

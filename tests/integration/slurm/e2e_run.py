@@ -9,8 +9,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from daemon_process import DaemonProcess, slurmft
-from local_cluster import Cluster, wait_for
+from local_cluster import Cluster
 from sqlalchemy import func, select
+from support.waiting import wait_for_value
 
 from slurmft.db import Database
 from slurmft.db.models import Action, Attempt, Event, RankHeartbeat, Run
@@ -101,7 +102,7 @@ class SubmittedRun:
     def wait_training(self, past_step: int = 10) -> None:
         """Until three ranks report heartbeats and training reached ``past_step`` (a
         checkpoint lies behind it)."""
-        wait_for(
+        wait_for_value(
             f"training at step {past_step}, reported by three ranks",
             self.beating_nodes,
             lambda ranks: (
@@ -113,7 +114,7 @@ class SubmittedRun:
     def wait_replaced(self, victim: str, timeout_s: float = 120) -> float:
         """Until three ranks report again and none from `victim` (a spare trains in its place);
         returns the seconds it took."""
-        _, seconds = wait_for(
+        _, seconds = wait_for_value(
             f"a spare to train in {victim}'s place",
             self.beating_nodes,
             lambda ranks: victim not in ranks.values() and len(ranks) == 3,
@@ -127,13 +128,13 @@ class SubmittedRun:
     def wait_completed(self, steps: int, timeout_s: float = 240) -> None:
         """Until training wrote its last step and the run ended COMPLETED (a run that lost a
         node to a cordon must complete too, not be relaunched until its budget stops it)."""
-        wait_for(
+        wait_for_value(
             f"step {steps}",
             self.latest_step,
             lambda step: step == steps,
             timeout_s=timeout_s,
         )
-        final, _ = wait_for("the run to end", self.run, lambda r: r.state.is_terminal, 120)
+        final, _ = wait_for_value("the run to end", self.run, lambda r: r.state.is_terminal, 120)
         assert (final.state, final.end_reason) == (
             RunState.COMPLETED,
             "the training script finished",

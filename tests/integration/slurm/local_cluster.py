@@ -2,7 +2,7 @@
 
 Each test gets a Cluster that remembers what it did — jobs submitted, nodes drained or killed —
 and undoes all of it afterwards, pass or fail, so one test never inherits another's wreckage.
-Waits poll every 0.2 s with a deadline; there are no fixed sleeps.
+Waits poll with a deadline (support.waiting); there are no fixed sleeps.
 """
 
 from __future__ import annotations
@@ -10,34 +10,15 @@ from __future__ import annotations
 import contextlib
 import os
 import subprocess
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TypeVar
 
-import pytest
 from slurm_clusters import CLUSTER_SCRIPT
+from support.waiting import wait_for_value
 
 from slurmft.slurm.api import JobInfo, SlurmBadRequest, SlurmError, SubmitRequest
 from slurmft.slurm.cli_backend import CliSlurmClient
 from slurmft.slurm.script import render_batch_script
-
-POLL_S = 0.2
-T = TypeVar("T")
-
-
-def wait_for(
-    what: str, probe: Callable[[], T], done: Callable[[T], bool], timeout_s: float = 30.0
-) -> tuple[T, float]:
-    """Poll until `done(probe())`; returns the last value and the seconds it took."""
-    started = time.monotonic()
-    while True:
-        value = probe()
-        if done(value):
-            return value, time.monotonic() - started
-        if time.monotonic() - started > timeout_s:
-            pytest.fail(f"timed out after {timeout_s:.0f} s waiting for {what}; last: {value!r}")
-        time.sleep(POLL_S)
 
 
 class Cluster:
@@ -80,7 +61,7 @@ class Cluster:
         )
 
     def wait_running(self, job_id: str, timeout_s: float = 30.0) -> tuple[JobInfo, float]:
-        return wait_for(
+        return wait_for_value(
             f"job {job_id} RUNNING",
             lambda: self.client.job(job_id),
             lambda job: job.state.value == "RUNNING",
@@ -88,8 +69,12 @@ class Cluster:
         )
 
     def drain(self, node: str, reason: str) -> None:
-        self._drained.add(node)
+        self.resume_after(node)
         self.client.drain(node, reason)
+
+    def resume_after(self, node: str) -> None:
+        """Resume ``node`` when the test ends: for a test that drains it through the client."""
+        self._drained.add(node)
 
     def kill_node(self, node: str) -> None:
         self._killed.add(node)
@@ -115,7 +100,7 @@ class Cluster:
             with contextlib.suppress(SlurmBadRequest):  # already back in service
                 self.client.resume(node)
         # Idle, not merely schedulable: a cancelled job may still be completing on its nodes.
-        wait_for(
+        wait_for_value(
             "every node idle again",
             lambda: {name: str(info.status) for name, info in self.client.nodes().items()},
             lambda statuses: all(status == "IDLE" for status in statuses.values()),

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 from daemon_process import DaemonProcess
 from e2e_run import TINY, submit
-from local_cluster import Cluster, wait_for
+from local_cluster import Cluster
+from support.waiting import wait_for_value
 
 from slurmft.db.models import Action, ActionKind, ActionStatus, Event, EventKind
 from slurmft.db.states import AttemptState, RunState
@@ -37,14 +38,14 @@ def test_killed_batch_host_is_requeued_without_it_and_the_run_completes(
 
     cluster.kill_node(batch_host)
     killed_at = time.monotonic()
-    events, detected_s = wait_for(
+    events, detected_s = wait_for_value(
         "the daemon to record the batch host down",
         lambda: run.events(Event.kind == EventKind.BATCH_HOST_DOWN),
         lambda found: len(found) == 1,
         timeout_s=60,
     )
     assert events[0].node == batch_host
-    requeues, _ = wait_for(
+    requeues, _ = wait_for_value(
         "the daemon to requeue the job",
         lambda: run.actions(Action.kind == ActionKind.REQUEUE),
         lambda found: any(a.status is not ActionStatus.PLANNED for a in found),
@@ -53,7 +54,7 @@ def test_killed_batch_host_is_requeued_without_it_and_the_run_completes(
     assert [a.status for a in requeues] == [ActionStatus.DONE], [a.error for a in requeues]
     assert batch_host in requeues[0].reason and "batch host" in requeues[0].reason
 
-    attempts, _ = wait_for(
+    attempts, _ = wait_for_value(
         "the requeued job running again, a second attempt",
         run.attempts,
         lambda found: len(found) == 2 and found[1].state is AttemptState.RUNNING,
@@ -68,7 +69,7 @@ def test_killed_batch_host_is_requeued_without_it_and_the_run_completes(
     assert batch_host not in (second.nodelist or "") and second.batch_host != batch_host
     assert batch_host in cluster.client.job(run.job_id).excluded_nodes
 
-    wait_for(
+    wait_for_value(
         "the run to complete",
         lambda: run.run().state,
         lambda state: state is RunState.COMPLETED,

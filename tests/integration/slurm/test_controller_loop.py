@@ -8,8 +8,9 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
-from local_cluster import Cluster, wait_for
+from local_cluster import Cluster
 from sqlalchemy import select
+from support.waiting import wait_for_value
 
 from slurmft.controller.act import Executor
 from slurmft.controller.decide import Policy, decide
@@ -58,7 +59,7 @@ def test_a_killed_node_is_seen_recorded_and_excluded_once(
 
     victim = next(n for n in job.nodes if n != job.batch_host)
     cluster.kill_node(victim)
-    view, seconds = wait_for(
+    view, seconds = wait_for_value(
         f"{victim} lost",
         lambda: _observe(database, cluster),
         lambda v: any(

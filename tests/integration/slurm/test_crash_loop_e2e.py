@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 from daemon_process import DaemonProcess, running_daemon
 from e2e_run import TINY, SubmittedRun, submit
-from local_cluster import Cluster, wait_for
+from local_cluster import Cluster
+from support.waiting import wait_for_value
 
 from slurmft.db.models import Action, ActionKind, ActionStatus, Event, EventKind
 from slurmft.db.records import denied_nodes
@@ -49,7 +50,9 @@ def test_a_script_that_always_crashes_stops_at_the_cap_with_the_reason(
     started = time.monotonic()
     script = [*EXAMPLE, *TINY, "--crash-at-step", "2@*", "--fault-rank", "1"]
     run = submit(cluster, daemon, tmp_path, script, name="crash-loop")
-    final, _ = wait_for("the run to end", run.run, lambda r: r.state.is_terminal, timeout_s=360)
+    final, _ = wait_for_value(
+        "the run to end", run.run, lambda r: r.state.is_terminal, timeout_s=360
+    )
     print(f"\ncrash loop stopped after {time.monotonic() - started:.0f} s: {final.end_reason}")
 
     assert final.state is RunState.STOPPED, final.end_reason
@@ -70,7 +73,7 @@ def test_a_script_that_always_crashes_stops_at_the_cap_with_the_reason(
 
     (stop,) = run.actions(Action.kind == ActionKind.STOP_RUN)
     assert (stop.status, stop.reason) == (ActionStatus.DONE, final.end_reason)
-    wait_for(
+    wait_for_value(
         "the job to be gone from Slurm",
         lambda: cluster.client.job(run.job_id).state,
         lambda state: state.is_ended,

@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 from daemon_process import DaemonProcess, daemon_env, slurmft
-from local_cluster import Cluster, wait_for
+from local_cluster import Cluster
 from sqlalchemy import func, select
+from support.waiting import wait_for_value
 
 from slurmft.controller.rpc import SOCKET_NAME, call
 from slurmft.db import Database
@@ -56,7 +57,7 @@ def test_daemon_loop_survives_sigkill_and_stops_on_sigterm(
     killed_at = time.monotonic()
     cluster.kill_node(victim)
     lost = (Event.kind == EventKind.NODE_LOST, Event.node == victim)
-    wait_for(
+    wait_for_value(
         "the daemon to record the node loss",
         lambda: _count(database, *lost),
         lambda n: n >= 1,

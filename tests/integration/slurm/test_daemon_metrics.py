@@ -17,7 +17,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from local_cluster import Cluster, wait_for
+from local_cluster import Cluster
+from support.waiting import wait_for_value
 
 from slurmft.db import Database
 
@@ -123,7 +124,7 @@ def test_daemon_under_a_fake_systemd_counts_the_recovery_of_a_killed_node(
         cluster.kill_node(victim)
         # Recoveries and failures are read from the store at each scrape; the detection
         # latency is observed in the daemon as the pass's event row commits: wait for both.
-        after, took = wait_for(
+        after, took = wait_for_value(
             "the recovery and its detection latency on /metrics",
             scrape,
             lambda text: _metric(text, "slurmft_recoveries_total", kind="agent_leave") == 1

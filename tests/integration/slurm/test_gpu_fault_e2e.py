@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 from daemon_process import DaemonProcess
 from e2e_run import TINY, SubmittedRun, submit
-from local_cluster import Cluster, wait_for
+from local_cluster import Cluster
+from support.waiting import wait_for_value
 
 from slurmft.controller.rpc import call
 from slurmft.db.models import ActionKind, ActionStatus, Event, EventKind
@@ -58,7 +59,7 @@ def test_xid_79_drains_the_node_and_a_spare_takes_over(
     inject.write_text(f"xid=79,gpu=3,node={victim}\n")
 
     reason = "slurmft: Xid 79 GPU fell off the bus (GPU 3)"
-    wait_for(
+    wait_for_value(
         "the drain in Slurm",
         lambda: cluster.client.node(victim),
         lambda node: node.status.drain_requested,
@@ -90,7 +91,7 @@ def test_xid_13_restarts_the_run_and_the_node_stays(
     inject.write_text(f"xid=13,gpu=0,node={node}\n")
     # Every agent re-rendezvouses when one restarts its workers; the restarted node may then
     # wait as the spare, so look for a restart anywhere in the run.
-    wait_for(
+    wait_for_value(
         f"the workers to restart after the Xid 13 on {node}",
         lambda: run.events(Event.kind == EventKind.RESTART),
         bool,

@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 from daemon_process import DaemonProcess, running_daemon
 from e2e_run import TINY, SubmittedRun, submit
-from local_cluster import Cluster, wait_for
+from local_cluster import Cluster
+from support.waiting import wait_for_value
 
 from slurmft.agent.procs import is_alive
 from slurmft.db.models import Action, ActionKind, ActionStatus, Event, EventKind
@@ -71,7 +72,7 @@ def test_a_frozen_rank_is_declared_hung_its_stacks_saved_and_the_run_recovers(
 
     os.kill(pid, signal.SIGSTOP)
     stopped_wall = time.time()  # the run's journal stamps its events with wall time
-    hangs, detected_s = wait_for(
+    hangs, detected_s = wait_for_value(
         f"the daemon to declare rank {rank} hung",
         lambda: run.events(Event.kind == EventKind.HANG, Event.source == "daemon"),
         bool,
@@ -80,7 +81,7 @@ def test_a_frozen_rank_is_declared_hung_its_stacks_saved_and_the_run_recovers(
     assert [(e.rank, e.node) for e in hangs] == [(rank, node)], [e.message for e in hangs]
     assert "silent" in hangs[0].message
 
-    restarts, _ = wait_for(
+    restarts, _ = wait_for_value(
         "the restart_workers action to hold the saved stacks",
         lambda: run.actions(Action.kind == ActionKind.RESTART_WORKERS),
         lambda found: any(a.event_id is not None for a in found),
@@ -92,9 +93,11 @@ def test_a_frozen_rank_is_declared_hung_its_stacks_saved_and_the_run_recovers(
     assert "tiny.py" in stacks and ("in train_step" in stacks or "in run" in stacks), stacks
     (agent_hang,) = run.events(Event.id == restart.event_id)
     assert (agent_hang.source, agent_hang.kind, agent_hang.node) == ("agent", EventKind.HANG, node)
-    wait_for("the frozen worker to be gone", lambda: is_alive(pid), lambda alive: not alive, 30)
+    wait_for_value(
+        "the frozen worker to be gone", lambda: is_alive(pid), lambda alive: not alive, 30
+    )
 
-    resumed, _ = wait_for(
+    resumed, _ = wait_for_value(
         "the workers to resume from the last checkpoint",
         lambda: [e for e in run.jsonl("events.jsonl") if e["event"] == "resumed"],
         lambda found: any(e["time"] > stopped_wall for e in found),
@@ -108,7 +111,9 @@ def test_a_frozen_rank_is_declared_hung_its_stacks_saved_and_the_run_recovers(
     # A hang restarts the workers in place: the node stays in the run and in service.
     removals = {ActionKind.AGENT_LEAVE, ActionKind.DRAIN_NODE, ActionKind.EVICT_NODE}
     assert not [a.reason for a in run.actions() if a.kind in removals]
-    final, _ = wait_for("the run to end", run.run, lambda r: r.state.is_terminal, timeout_s=240)
+    final, _ = wait_for_value(
+        "the run to end", run.run, lambda r: r.state.is_terminal, timeout_s=240
+    )
     assert final.state is RunState.COMPLETED, final.end_reason
     records = run.jsonl("losses.jsonl")
     assert {r["world_size"] for r in records} == {3}

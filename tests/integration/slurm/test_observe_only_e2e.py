@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 from daemon_process import DaemonProcess, running_daemon
 from e2e_run import TINY, submit
-from local_cluster import Cluster, wait_for
+from local_cluster import Cluster
 from sqlalchemy import func, select
+from support.waiting import wait_for_value
 
 from slurmft.controller.act import OBSERVE_ONLY
 from slurmft.db.models import Action, ActionKind, ActionStatus, DenylistEntry, Event, EventKind
@@ -42,13 +43,13 @@ def test_observe_only_records_the_node_loss_and_acts_on_nothing(
     victim = sorted(set(run.beating_nodes().values()) - {batch_host})[0]
     cluster.kill_node(victim)
 
-    wait_for(
+    wait_for_value(
         "the daemon to record the loss",
         lambda: run.events(Event.kind == EventKind.NODE_LOST, Event.node == victim),
         lambda found: len(found) == 1,
         timeout_s=60,
     )
-    actions, _ = wait_for(
+    actions, _ = wait_for_value(
         "the decided actions, recorded",
         run.actions,
         lambda found: any(a.node == victim for a in found),
@@ -61,7 +62,7 @@ def test_observe_only_records_the_node_loss_and_acts_on_nothing(
     assert victim in next(a.reason for a in actions if a.node == victim)
 
     run.wait_replaced(victim)
-    wait_for(
+    wait_for_value(
         "the run to complete",
         lambda: run.run().state,
         lambda state: state is RunState.COMPLETED,

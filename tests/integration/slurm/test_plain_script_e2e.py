@@ -13,8 +13,9 @@ from typing import Any
 import pytest
 from daemon_process import DaemonProcess, running_daemon
 from e2e_run import submit
-from local_cluster import Cluster, wait_for
+from local_cluster import Cluster
 from slurm_clusters import REPO
+from support.waiting import wait_for_value
 
 from slurmft.db.models import Action, ActionKind, Event, EventKind
 from slurmft.db.states import RunState
@@ -48,7 +49,7 @@ def test_plain_torchrun_script_survives_a_node_kill_and_is_never_taken_for_hung(
         [PLAIN, "--ckpt-dir", "{ckpt}", "--out-dir", "{out}", "--steps", str(STEPS), *PACE],
         name="plain",
     )
-    wait_for(
+    wait_for_value(
         "the plain script training past a checkpoint on three nodes",
         lambda: (run.jsonl("steps.jsonl"), _latest_group(run.jsonl("starts.jsonl"))),
         lambda seen: any(r["step"] >= 10 for r in seen[0]) and len(seen[1]) == 3,
@@ -60,13 +61,13 @@ def test_plain_torchrun_script_survives_a_node_kill_and_is_never_taken_for_hung(
     victim = sorted({s["node"] for s in group.values()} - {batch_host})[0]
     cluster.kill_node(victim)
 
-    wait_for(
+    wait_for_value(
         "the daemon to record the loss",
         lambda: run.events(Event.kind == EventKind.NODE_LOST, Event.node == victim),
         lambda found: len(found) == 1,
         timeout_s=60,
     )
-    starts, _ = wait_for(
+    starts, _ = wait_for_value(
         "the spare to join: three ranks again, none on the dead node",
         lambda: run.jsonl("starts.jsonl"),
         lambda found: (
@@ -80,7 +81,7 @@ def test_plain_torchrun_script_survives_a_node_kill_and_is_never_taken_for_hung(
     assert {s["world_size"] for s in resumed.values()} == {3}
     assert min(s["step"] for s in resumed.values()) >= 5  # from its own checkpoint
 
-    wait_for(
+    wait_for_value(
         "the run to complete",
         lambda: run.run().state,
         lambda state: state is RunState.COMPLETED,

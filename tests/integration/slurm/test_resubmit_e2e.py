@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 from daemon_process import DaemonProcess
 from e2e_run import TINY, submit
-from local_cluster import Cluster, wait_for
+from local_cluster import Cluster
+from support.waiting import wait_for_value
 
 from slurmft.db.models import ActionKind, ActionStatus, Event, EventKind
 from slurmft.db.states import AttemptState, RunState
@@ -37,7 +38,7 @@ def test_a_job_cancelled_by_preemption_is_resubmitted_as_its_owner_and_resumes(
     victim = sorted(set(run.beating_nodes().values()))[0]
     cluster.preempt(victim)
 
-    attempts, _ = wait_for(
+    attempts, _ = wait_for_value(
         "the daemon to submit the run's job again",
         run.attempts,
         lambda rows: len(rows) == 2 and rows[1].slurm_job_id != run.job_id,
@@ -48,7 +49,7 @@ def test_a_job_cancelled_by_preemption_is_resubmitted_as_its_owner_and_resumes(
     assert first.state is AttemptState.PREEMPTED
     assert _job_user(second.slurm_job_id) == pwd.getpwuid(os.geteuid()).pw_name
 
-    wait_for(
+    wait_for_value(
         "the run to complete",
         lambda: run.run().state,
         lambda state: state is RunState.COMPLETED,

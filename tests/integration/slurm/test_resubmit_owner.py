@@ -12,7 +12,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from local_cluster import Cluster, wait_for
+from local_cluster import Cluster
+from support.waiting import wait_for_value
 from unix_users import TestUsers
 
 from slurmft.controller.resubmit import (
@@ -71,7 +72,7 @@ def test_a_root_daemon_submits_the_recorded_job_as_the_runs_owner(
     assert record["UserId"] == f"{alice.name}({alice.uid})"
     assert record["ExcNodeList"] == "n6"  # today's exclusions, not the recorded ones
     assert record["WorkDir"] == str(workdir)
-    who, _ = wait_for(
+    who, _ = wait_for_value(
         "the job to write who it ran as",
         lambda: (workdir / "who").read_text() if (workdir / "who").exists() else "",
         lambda text: text.count("\n") == 2,

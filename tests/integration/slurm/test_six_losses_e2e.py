@@ -18,8 +18,9 @@ from pathlib import Path
 import pytest
 from daemon_process import DaemonProcess, running_daemon
 from e2e_run import TINY, SubmittedRun, submit
-from local_cluster import Cluster, wait_for
+from local_cluster import Cluster
 from slurm_clusters import own_cluster
+from support.waiting import wait_for_value
 
 from slurmft.agent.batch import newest_checkpoint
 from slurmft.db.models import Action, ActionKind, Event, EventKind
@@ -61,7 +62,7 @@ def loss_daemon(loss_conf: Path, tmp_path: Path) -> Iterator[DaemonProcess]:
 
 def _newer_checkpoint(run: SubmittedRun, than: str) -> float:
     """Seconds until a checkpoint newer than `than` exists: the run trains again."""
-    _, seconds = wait_for(
+    _, seconds = wait_for_value(
         f"a checkpoint newer than {than or 'none'}",
         lambda: newest_checkpoint(str(run.ckpt_dir)),
         lambda newest: newest > than,
@@ -91,7 +92,7 @@ def test_six_node_losses_with_progress_between_them_do_not_stop_the_run(
     run = submit(
         loss_cluster, loss_daemon, tmp_path, script, name="six-losses", nodes=NODES, spares=SPARES
     )
-    wait_for(
+    wait_for_value(
         "training on two ranks",
         run.beating_nodes,
         lambda ranks: len(ranks) == NODES,
@@ -106,7 +107,7 @@ def test_six_node_losses_with_progress_between_them_do_not_stop_the_run(
         # No save completes once a rank is gone (saves are collective): the next loss waits
         # for one newer than this.
         checkpoint = newest_checkpoint(str(run.ckpt_dir))
-        _, detected_s = wait_for(
+        _, detected_s = wait_for_value(
             f"the daemon to record the loss of {lost[-1]}",
             lambda: {e.node for e in run.events(Event.kind == EventKind.NODE_LOST)},
             lambda nodes: lost[-1] in nodes,
@@ -119,7 +120,9 @@ def test_six_node_losses_with_progress_between_them_do_not_stop_the_run(
         )
         assert run.run().state is not RunState.STOPPED, run.run().end_reason
 
-    final, _ = wait_for("the run to end", run.run, lambda r: r.state.is_terminal, timeout_s=300)
+    final, _ = wait_for_value(
+        "the run to end", run.run, lambda r: r.state.is_terminal, timeout_s=300
+    )
     print(
         f"six losses {ways}: run {final.state.value} after {time.monotonic() - started:.0f} s, "
         f"{final.restarts_without_progress} restarts without progress counted"

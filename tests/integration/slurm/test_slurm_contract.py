@@ -1,4 +1,8 @@
-"""The Slurm client against the real local cluster: what the controller relies on.
+"""What the controller relies on from the Slurm client, as one contract with two sides: the
+recorded real output (tests/fixtures/slurm/, replayed with its argv checked; runs anywhere)
+and the real local cluster (marked `slurm`). The same assertions run against both
+(slurm_sides.py), so the fake the unit tests use cannot drift from the real commands; the tests
+below the contract need the real cluster alone.
 
 Measured facts behind these tests: shared/notes/local-slurm.md (SlurmdTimeout=5,
 MessageTimeout=2: a killed node is NOT_RESPONDING after ~5 s and DOWN after ~10 s).
@@ -14,76 +18,151 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from local_cluster import Cluster, wait_for
+from local_cluster import Cluster
+from slurm_sides import UNKNOWN_JOB, LiveSlurm, RecordedSlurm, SlurmSide, agent_step
+from support.waiting import wait_for_value
 
-from slurmft.slurm.api import SignalTarget, SlurmBadRequest, SlurmJobNotFound, SlurmUnreachable
-from slurmft.slurm.cli_backend import CliSlurmClient
+from slurmft.slurm.api import (
+    SignalTarget,
+    SlurmBadRequest,
+    SlurmJobNotFound,
+    SlurmUnreachable,
+    SubmitRequest,
+)
 from slurmft.slurm.hostlist import compress, expand
-from slurmft.slurm.script import job_name_for, run_id_from_comment
+from slurmft.slurm.script import job_name_for, render_batch_script, run_id_from_comment
 from slurmft.slurm.states import JobState
 
-pytestmark = pytest.mark.slurm
+
+@pytest.fixture(params=["recorded", pytest.param("cluster", marks=pytest.mark.slurm)])
+def slurm(request: pytest.FixtureRequest) -> SlurmSide:
+    if request.param == "recorded":
+        return RecordedSlurm()
+    return LiveSlurm(request.getfixturevalue("cluster"), request.getfixturevalue("slurm_conf"))
 
 
-# Every task records the node it ran on, then stays up until cancelled.
-def report_node_then_sleep(directory: Path) -> list[str]:
-    return ["bash", "-c", f'touch "{directory}/ran-on-$SLURMD_NODENAME"; exec sleep 600']
+# --- the contract: the recorded output and the real cluster --------------------------------
 
 
-def agent_step(nodes: int, directory: Path) -> list[str]:
-    """The step the agents would be: survives the loss of one of its nodes."""
-    return [
-        "srun", "--no-kill", "--kill-on-bad-exit=0", f"-N{nodes}", f"-n{nodes}",
-        *report_node_then_sleep(directory),
-    ]  # fmt: skip
+def test_version(slurm: SlurmSide) -> None:
+    assert slurm.client.version().major >= 22
+
+
+def test_a_running_job_reads_alike_in_squeue_and_scontrol(slurm: SlurmSide) -> None:
+    running = slurm.running_job()
+    job = slurm.client.job(running.job_id)
+    assert job.state is JobState.RUNNING and len(job.nodes) == 3
+    assert job.batch_host in job.nodes
+    assert run_id_from_comment(job.comment) == running.run_id
+    listed = slurm.client.jobs([running.job_id, *running.others])
+    assert UNKNOWN_JOB not in listed  # asked together with known jobs: simply absent
+    mine = listed[running.job_id]
+    assert (mine.state, mine.nodes, mine.batch_host) == (job.state, job.nodes, job.batch_host)
+    assert not slurm.client.batch_host_down(running.job_id)
+
+
+def test_an_unknown_job_is_absent_from_the_list_and_not_found_alone(slurm: SlurmSide) -> None:
+    assert slurm.client.jobs([UNKNOWN_JOB]) == {}
+    with pytest.raises(SlurmJobNotFound):
+        slurm.client.job(UNKNOWN_JOB)
+
+
+def test_drain_with_a_reason_reads_back_exactly(slurm: SlurmSide) -> None:
+    node, reason = slurm.node_to_drain()
+    slurm.client.drain(node, reason)
+    for info in (slurm.client.nodes()[node], slurm.client.node(node)):
+        assert info.status.drain_requested and not info.status.schedulable, info.status
+        assert info.reason == reason
+        assert info.reason_user == "root"
+
+
+def test_drain_of_an_unknown_node_is_a_bad_request(slurm: SlurmSide) -> None:
+    with pytest.raises(SlurmBadRequest):
+        slurm.client.drain("nosuchnode", "x")
+
+
+def test_a_killed_batch_host_is_down_and_its_no_kill_job_runs_on(slurm: SlurmSide) -> None:
+    running = slurm.running_job()
+    job = slurm.client.job(running.job_id)
+    slurm.kill_node(job.batch_host, running.job_id)
+    node = slurm.client.node(job.batch_host)
+    assert node.status.down and node.status.lost and not node.status.schedulable
+    assert slurm.client.nodes()[job.batch_host].status.down
+    shrunk = slurm.client.job(running.job_id)
+    # Slurm itself still calls it RUNNING: only the batch host's state tells the truth.
+    assert shrunk.state is JobState.RUNNING and shrunk.batch_host == job.batch_host
+    assert set(shrunk.nodes) == set(job.nodes) - {job.batch_host}
+    assert slurm.client.batch_host_down(running.job_id)
+
+
+def test_requeue_with_a_node_excluded_runs_without_it(slurm: SlurmSide) -> None:
+    running = slurm.running_job()
+    bad = slurm.client.job(running.job_id).nodes[1]
+    slurm.client.requeue(running.job_id, exclude=[bad])
+    slurm.wait_rerun(running.job_id)
+    rerun = slurm.client.job(running.job_id)
+    assert rerun.state is JobState.RUNNING and rerun.restarts >= 1
+    assert bad not in rerun.nodes and len(rerun.nodes) == 3
+    assert rerun.excluded_nodes == (bad,)
+
+
+def test_an_unreachable_controller_is_never_an_empty_answer(slurm: SlurmSide) -> None:
+    away, jobs = slurm.unreachable()
+    with pytest.raises(SlurmUnreachable):
+        away.jobs(jobs)  # never "no such jobs"
+    with pytest.raises(SlurmUnreachable):
+        away.drain("n1", "x")
+
+
+def test_refused_before_reaching_slurm(slurm: SlurmSide) -> None:
+    """On the recorded side no command is recorded for these: one that ran would fail."""
+    request = SubmitRequest(script=render_batch_script(["true"]), job_name="a'; touch /tmp/x",
+                            run_id="refused", nodes=1)  # fmt: skip
+    with pytest.raises(SlurmBadRequest):
+        slurm.client.submit(request)
+    with pytest.raises(SlurmBadRequest):
+        slurm.client.drain("n1 State=RESUME", "x")
+
+
+# --- the real cluster alone ------------------------------------------------------------------
 
 
 def nodes_that_ran(directory: Path) -> set[str]:
     return {path.name.removeprefix("ran-on-") for path in directory.glob("ran-on-*")}
 
 
-def test_version(client: CliSlurmClient) -> None:
-    assert client.version().major >= 22
-
-
-def test_three_node_job_runs_on_the_nodes_slurm_reports(cluster: Cluster) -> None:
+@pytest.mark.slurm
+def test_a_job_runs_on_the_nodes_slurm_reports_and_not_the_excluded(cluster: Cluster) -> None:
     job_id = cluster.submit(agent_step(3, cluster.tmp_path), nodes=2, spare_nodes=1,
                             run_id="contract-3n", exclude=("n1",))  # fmt: skip
     job, _ = cluster.wait_running(job_id)
     assert len(job.nodes) == 3 and "n1" not in job.nodes
-    assert job.batch_host in job.nodes
-    assert run_id_from_comment(job.comment) == "contract-3n"
-    wait_for("3 tasks to start", lambda: nodes_that_ran(cluster.tmp_path), lambda s: len(s) == 3)
+    wait_for_value(
+        "3 tasks to start", lambda: nodes_that_ran(cluster.tmp_path), lambda s: len(s) == 3
+    )
     assert nodes_that_ran(cluster.tmp_path) == set(job.nodes)
-    # The batched query agrees with the detailed one.
-    assert cluster.client.jobs([job_id])[job_id].nodes == job.nodes
-    assert not cluster.client.batch_host_down(job_id)
 
 
-def test_drain_with_a_reason_reads_back_exactly(cluster: Cluster) -> None:
-    reason = 'slurmft: xid 79 on GPU 3 (run "it\'s"; $(id) | `x` Foo=bar)'
-    cluster.drain("n4", reason)
-    listed = cluster.client.nodes(["n4"])["n4"]
-    detail = cluster.client.node("n4")
-    for info in (listed, detail):
-        assert info.status.drain_requested and not info.status.schedulable, info.status
-        assert info.reason == reason
-        assert info.reason_user == "root"
+@pytest.mark.slurm
+def test_resume_brings_a_drained_node_back(cluster: Cluster) -> None:
+    cluster.drain("n4", "slurmft: test")
+    assert cluster.client.nodes(["n4"])["n4"].status.drain_requested  # the one-node query too
     cluster.client.resume("n4")
     # Right after RESUME slurmctld reads the node as `idle*` until its slurmd answers a ping.
-    wait_for("n4 back", lambda: cluster.client.node("n4"), lambda n: n.status.schedulable, 10)
+    wait_for_value("n4 back", lambda: cluster.client.node("n4"), lambda n: n.status.schedulable, 10)
 
 
+@pytest.mark.slurm
 def test_killed_node_goes_down_and_the_no_kill_job_shrinks(cluster: Cluster) -> None:
     job_id = cluster.submit(agent_step(3, cluster.tmp_path), nodes=3)
     job, _ = cluster.wait_running(job_id)
     victim = next(node for node in job.nodes if node != job.batch_host)
     cluster.kill_node(victim)
-    node, seconds = wait_for(
+    node, seconds = wait_for_value(
         f"{victim} DOWN", lambda: cluster.client.node(victim), lambda n: n.status.down, 30
     )
     assert node.status.lost and not node.status.schedulable
-    shrunk, _ = wait_for(
+    shrunk, _ = wait_for_value(
         f"job {job_id} to shrink",
         lambda: cluster.client.job(job_id),
         lambda j: victim not in j.nodes,
@@ -91,40 +170,8 @@ def test_killed_node_goes_down_and_the_no_kill_job_shrinks(cluster: Cluster) -> 
     )
     assert shrunk.state is JobState.RUNNING
     assert set(shrunk.nodes) == set(job.nodes) - {victim}
-    assert not cluster.client.batch_host_down(job_id)
+    assert not cluster.client.batch_host_down(job_id)  # its batch host lives
     print(f"kill -> {victim} DOWN: {seconds:.1f} s")
-
-
-def test_requeue_with_a_node_excluded_runs_without_it(cluster: Cluster) -> None:
-    job_id = cluster.submit(agent_step(3, cluster.tmp_path), nodes=3)
-    job, _ = cluster.wait_running(job_id)
-    bad = job.nodes[1]
-    cluster.client.requeue(job_id, exclude=[bad])
-    rerun, seconds = wait_for(
-        f"job {job_id} running again",
-        lambda: cluster.client.job(job_id),
-        lambda j: j.state is JobState.RUNNING and j.restarts == 1,
-        40,
-    )
-    assert bad not in rerun.nodes and len(rerun.nodes) == 3
-    assert rerun.excluded_nodes == (bad,)
-    print(f"requeue -> running: {seconds:.1f} s")
-
-
-def test_job_whose_batch_host_died_is_reported(cluster: Cluster) -> None:
-    job_id = cluster.submit(agent_step(3, cluster.tmp_path), nodes=3)
-    job, _ = cluster.wait_running(job_id)
-    assert not cluster.client.batch_host_down(job_id)
-    cluster.kill_node(job.batch_host)
-    _, seconds = wait_for(
-        "the dead batch host to be noticed",
-        lambda: cluster.client.batch_host_down(job_id),
-        lambda down: down,
-        30,
-    )
-    # Slurm itself still calls it RUNNING: only the detection above tells the truth.
-    assert cluster.client.job(job_id).state is JobState.RUNNING
-    print(f"kill batch host -> detected: {seconds:.1f} s")
 
 
 HOSTILE = [
@@ -142,6 +189,7 @@ HOSTILE = [
 ]
 
 
+@pytest.mark.slurm
 def test_hostile_names_and_arguments_stay_inert(cluster: Cluster, tmp_path: Path) -> None:
     canary = tmp_path / "canary"
     args = [arg.format(canary=canary) for arg in HOSTILE]
@@ -155,7 +203,7 @@ def test_hostile_names_and_arguments_stay_inert(cluster: Cluster, tmp_path: Path
         env={"RUN_NAME": run_name},
         output=str(out),
     )
-    job, _ = wait_for(
+    job, _ = wait_for_value(
         f"job {job_id} to finish",
         lambda: cluster.client.jobs([job_id]).get(job_id),
         lambda j: j is not None and j.state.is_ended,
@@ -167,31 +215,7 @@ def test_hostile_names_and_arguments_stay_inert(cluster: Cluster, tmp_path: Path
     assert job.name == job_name_for(run_name)
 
 
-def test_refused_before_reaching_slurm(cluster: Cluster) -> None:
-    with pytest.raises(SlurmBadRequest):
-        cluster.submit(["true"], nodes=1, job_name="a'; touch /tmp/x")
-    with pytest.raises(SlurmBadRequest):
-        cluster.client.drain("n1 State=RESUME", "x")
-
-
-def test_unknown_job_and_unreachable_controller(
-    client: CliSlurmClient, slurm_conf: Path, tmp_path: Path
-) -> None:
-    assert client.jobs(["999999"]) == {}
-    with pytest.raises(SlurmJobNotFound):
-        client.job("999999")
-    unreachable = tmp_path / "slurm.conf"
-    unreachable.write_text(
-        "\n".join(
-            "SlurmctldPort=9" if line.startswith("SlurmctldPort=") else line
-            for line in slurm_conf.read_text().splitlines()
-        )
-    )
-    away = CliSlurmClient(slurm_conf=str(unreachable), timeout_s=20)
-    with pytest.raises(SlurmUnreachable):
-        away.jobs(["1", "2"])  # never "no such jobs"
-
-
+@pytest.mark.slurm
 @settings(max_examples=25, deadline=None)
 @given(
     st.lists(
@@ -208,6 +232,7 @@ def test_hostlists_agree_with_scontrol(names: list[str]) -> None:
     assert sorted(slurm.stdout.split()) == sorted(expand(expression)) == sorted(set(names))
 
 
+@pytest.mark.slurm
 def test_signal_reaches_steps_or_batch_shell(cluster: Cluster) -> None:
     d = cluster.tmp_path
     batch_shell = (
@@ -217,14 +242,15 @@ def test_signal_reaches_steps_or_batch_shell(cluster: Cluster) -> None:
         "while true; do sleep 0.1; done\n"
     )
     job_id = cluster.submit(["bash", "-c", batch_shell], nodes=1)
-    wait_for("the step", (d / "step-ready").exists, lambda ready: ready, 30)
+    wait_for_value("the step", (d / "step-ready").exists, lambda ready: ready, 30)
     cluster.client.signal(job_id, "USR1", SignalTarget.STEPS)
-    wait_for("USR1 in the step", (d / "step-usr1").exists, lambda got: got, 10)
+    wait_for_value("USR1 in the step", (d / "step-usr1").exists, lambda got: got, 10)
     assert not (d / "batch-usr1").exists()  # measured on 22.05: steps only
     cluster.client.signal(job_id, "USR1", SignalTarget.BATCH)
-    wait_for("USR1 in the batch shell", (d / "batch-usr1").exists, lambda got: got, 10)
+    wait_for_value("USR1 in the batch shell", (d / "batch-usr1").exists, lambda got: got, 10)
 
 
+@pytest.mark.slurm
 def test_cluster_up_again_is_harmless(slurm_conf: Path) -> None:
     root = slurm_conf.parents[1]
     env = {**os.environ, "SLURMFT_CLUSTER_ROOT": str(root)}

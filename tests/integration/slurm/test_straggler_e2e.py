@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 from daemon_process import running_daemon
 from e2e_run import TINY, submit
-from local_cluster import Cluster, wait_for
+from local_cluster import Cluster
+from support.waiting import wait_for_value
 
 from slurmft.db.models import Action, ActionKind, Event, EventKind
 
@@ -68,7 +69,7 @@ def test_a_slow_node_is_flagged_replaced_by_the_spare_and_drained_only_by_the_tr
         slowed_at, slowed_step = time.monotonic(), run.latest_step()
 
         mine = (Event.kind == EventKind.STRAGGLER, Event.source == "daemon")
-        (event,), _ = wait_for("the straggler finding", lambda: run.events(*mine), bool, 120)
+        (event,), _ = wait_for_value("the straggler finding", lambda: run.events(*mine), bool, 120)
         flagged_s, flagged_step = time.monotonic() - slowed_at, run.latest_step()
         assert (event.node, event.rank) == (victim, victim_rank)
         assert 0.2 < event.details["margin"] < 0.45  # 30% slower work, some compute at speed
@@ -77,7 +78,7 @@ def test_a_slow_node_is_flagged_replaced_by_the_spare_and_drained_only_by_the_tr
             rf"slurmft: straggler rank {victim_rank} \+(\d+)% over median", event.message
         )
         assert shown and abs(int(shown[1]) - event.details["margin"] * 100) <= 1, event.message
-        (leave,), _ = wait_for(
+        (leave,), _ = wait_for_value(
             "the node to be taken out of the run",
             lambda: run.actions(Action.kind == ActionKind.AGENT_LEAVE),
             bool,

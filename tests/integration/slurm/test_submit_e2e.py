@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 from daemon_process import DaemonProcess
 from e2e_run import TINY, submit
-from local_cluster import Cluster, wait_for
+from local_cluster import Cluster
+from support.waiting import wait_for_value
 
 from slurmft.controller.rpc import call
 from slurmft.db.models import ActionKind, Event, EventKind
@@ -35,7 +36,7 @@ def test_submit_kill_a_node_spare_takes_over_daemon_restart_run_completes(
     victim = sorted(set(run.beating_nodes().values()) - {batch_host})[0]
     cluster.kill_node(victim)
     lost = (Event.kind == EventKind.NODE_LOST, Event.node == victim)
-    wait_for(
+    wait_for_value(
         "the daemon to record the loss",
         lambda: run.count_events(*lost),
         lambda n: n == 1,
@@ -46,7 +47,7 @@ def test_submit_kill_a_node_spare_takes_over_daemon_restart_run_completes(
     daemon.start()
     run.wait_replaced(victim)
 
-    wait_for(
+    wait_for_value(
         "the run to complete",
         lambda: run.run().state,
         lambda state: state is RunState.COMPLETED,
@@ -73,7 +74,9 @@ def test_a_run_without_failures_completes_with_its_spare_unused(
         [*EXAMPLE, "--steps", "15", "--ckpt-every", "5", "--heartbeat-interval-s", "1"],
         name="happy",
     )
-    final, _ = wait_for("the run to end", run.run, lambda r: r.state.is_terminal, timeout_s=180)
+    final, _ = wait_for_value(
+        "the run to end", run.run, lambda r: r.state.is_terminal, timeout_s=180
+    )
     assert (final.state, final.end_reason) == (RunState.COMPLETED, "the training script finished")
     assert sorted({r["step"] for r in run.jsonl("losses.jsonl")}) == list(range(1, 16))
     run.database.dispose()

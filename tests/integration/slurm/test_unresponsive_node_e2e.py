@@ -31,7 +31,8 @@ from pathlib import Path
 import pytest
 from daemon_process import running_daemon
 from e2e_run import TINY, SubmittedRun, submit
-from local_cluster import Cluster, wait_for
+from local_cluster import Cluster
+from support.waiting import wait_for_value
 
 from slurmft.agent.procs import is_alive
 from slurmft.db.models import ActionKind, ActionStatus, Event, EventKind
@@ -135,11 +136,13 @@ def test_a_frozen_node_is_evicted_from_the_running_job_and_the_spare_takes_over(
 def _check_eviction(cluster: Cluster, run: SubmittedRun, frozen: FrozenNode) -> None:
     victim = frozen.name
     unresponsive = (Event.kind == EventKind.NODE_LOST, Event.node == victim)
-    (event,), _ = wait_for("the unresponsive node", lambda: run.events(*unresponsive), bool, 90)
+    (event,), _ = wait_for_value(
+        "the unresponsive node", lambda: run.events(*unresponsive), bool, 90
+    )
     event_s = time.monotonic() - frozen.at
     assert event.message.startswith(f"slurmft: node {victim} unresponsive: its agent silent")
 
-    acted, _ = wait_for(
+    acted, _ = wait_for_value(
         "the eviction",
         lambda: {a.kind: a for a in run.actions() if a.node == victim},
         lambda kinds: ActionKind.EVICT_NODE in kinds,
@@ -153,7 +156,7 @@ def _check_eviction(cluster: Cluster, run: SubmittedRun, frozen: FrozenNode) -> 
     print(f"\nthe node right after the eviction: {node.status}")
 
     # DOWN under --no-kill: the job shrinks, it is neither killed nor requeued.
-    job, shrunk_s = wait_for(
+    job, shrunk_s = wait_for_value(
         "the job to let the node go",
         lambda: cluster.client.job(run.job_id),
         lambda j: victim not in j.nodes,
@@ -166,7 +169,7 @@ def _check_eviction(cluster: Cluster, run: SubmittedRun, frozen: FrozenNode) -> 
           f"restarts={job.restarts} nodes {frozen.job_nodes} -> {job.nodes} ({shrunk_s:.1f} s "
           f"later); steps {frozen.job_steps} -> {steps}")  # fmt: skip
     assert set(steps) == set(frozen.job_steps)  # the batch step and the agent step live on
-    _, killed_s = wait_for(
+    _, killed_s = wait_for_value(
         "Slurm to kill the frozen processes",
         lambda: {pid for pid in frozen.pids if is_alive(pid)},
         lambda alive: not alive,

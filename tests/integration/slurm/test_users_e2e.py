@@ -21,7 +21,8 @@ from pathlib import Path
 import pytest
 from daemon_process import DaemonProcess, run_slurmft, running_daemon, slurmft
 from e2e_run import EXAMPLE, SubmittedRun, submit
-from local_cluster import Cluster, wait_for
+from local_cluster import Cluster
+from support.waiting import wait_for_value
 from unix_users import TestUsers, UnixUser
 
 from slurmft.controller.rpc import RpcServer, call
@@ -127,7 +128,7 @@ def test_users_see_and_cancel_only_their_own_runs(
     # Bob ends his own run before alice's job frees the nodes it waits for (through slurmft: a
     # job cancelled behind the daemon's back looks preempted, and the daemon would resubmit it).
     assert run_slurmft(daemon.client_env(), "cancel", bobs, as_user=bob).returncode == 0
-    wait_for(
+    wait_for_value(
         "bob's job to be cancelled",
         lambda: cluster.client.job(bobs_job).state,
         lambda state: state is JobState.CANCELLED,
@@ -135,8 +136,10 @@ def test_users_see_and_cancel_only_their_own_runs(
 
     cancelled = run_slurmft(daemon.client_env(), "cancel", run.run_id, as_user=alice)
     assert cancelled.returncode == 0, cancelled.stderr
-    wait_for("the daemon to end alice's run", lambda: run.run().state, RunState.CANCELLED.__eq__)
-    wait_for(
+    wait_for_value(
+        "the daemon to end alice's run", lambda: run.run().state, RunState.CANCELLED.__eq__
+    )
+    wait_for_value(
         "alice's job to end",
         lambda: cluster.client.job(run.job_id).state,
         lambda state: not state.holds_nodes,
@@ -174,7 +177,7 @@ def test_a_daemon_without_slurm_privileges_records_drain_requested_and_goes_on(
         cluster._drained.add(victim)  # resumed by the fixture should the drain get through
         inject.write_text(f"xid=79,gpu=3,node={victim}\n")
 
-        drain, _ = wait_for(
+        drain, _ = wait_for_value(
             "the daemon's drain decision", lambda: _drain_of(run, victim), bool, timeout_s=60
         )
         assert drain is not None and drain.status is ActionStatus.SKIPPED
@@ -189,7 +192,7 @@ def test_a_daemon_without_slurm_privileges_records_drain_requested_and_goes_on(
             assert victim in denied_nodes(s, run_id=run.run_id)
         status = call(daemon.socket_path, "status", run_id=run.run_id)
         assert victim in status["excluded_nodes"]
-        wait_for(
+        wait_for_value(
             "the run to complete",
             lambda: run.jsonl("losses.jsonl"),
             lambda records: any(r["step"] == 60 for r in records),

@@ -10,12 +10,12 @@ import os
 import signal
 import statistics
 import subprocess
-import time
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
 import pytest
+from support.waiting import wait_for
 from tiny_runs import RUN_TIMEOUT_S, AgentSocket, TinyRun, torchrun_command, torchrun_env
 
 # serial: a rank 30% slower than its peers, a save longer than the step deadline.
@@ -30,14 +30,16 @@ HEARTBEAT_INTERVAL_S = 0.25
 
 
 def wait_for_step(losses: Path, step: int, process: subprocess.Popen[str]) -> None:
-    deadline = time.monotonic() + RUN_TIMEOUT_S
-    while time.monotonic() < deadline and process.poll() is None:
+    def reached() -> bool:
         if losses.exists() and any(
             json.loads(line)["step"] >= step for line in losses.read_text().splitlines()
         ):
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"the run never reached step {step}")
+            return True
+        # An ended run will never get there: fail now, not at the timeout.
+        assert process.poll() is None, f"the run ended before step {step}"
+        return False
+
+    wait_for(reached, RUN_TIMEOUT_S, f"the run to reach step {step}", interval_s=0.05)
 
 
 @pytest.fixture(scope="module")

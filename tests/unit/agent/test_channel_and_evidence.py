@@ -8,10 +8,10 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from support.waiting import wait_for
 
 from slurmft.agent.channel import RankChannelServer, RendezvousRound
 from slurmft.agent.evidence import dump_stacks, is_stopped
@@ -106,7 +106,7 @@ def test_stacks_of_a_stuck_process_are_collected(tmp_path: Path, stopped: bool) 
         (tmp_path / "pending").rename(Path(str(path).format(child.pid)))
         if stopped:
             os.kill(child.pid, signal.SIGSTOP)
-            _wait_until(lambda: is_stopped(child.pid))
+            wait_for(lambda: is_stopped(child.pid), 10, "the child to stop", interval_s=0.01)
         # The child keeps writing to its open descriptor: the renamed file is its stack file.
         started = time.monotonic()
         (dump,) = dump_stacks({3: child.pid}, tmp_path, wait_s=5)
@@ -117,10 +117,3 @@ def test_stacks_of_a_stuck_process_are_collected(tmp_path: Path, stopped: bool) 
     finally:
         child.kill()
         child.wait()
-
-
-def _wait_until(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.01)

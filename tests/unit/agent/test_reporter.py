@@ -2,84 +2,23 @@
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+from support.fake_controller import FakeController
+from support.waiting import wait_for
 
 from slurmft.agent.reporter import HttpTransport, ReportBuffer, Reporter, backoff_s
-from slurmft.protocol import (
-    BATCH_PATH,
-    TIME_PATH,
-    AgentBatch,
-    AgentEvent,
-    BatchReply,
-    Command,
-    RankHeartbeat,
-    RankStepTime,
-    TimeReply,
-)
-
-
-class FakeController(ThreadingHTTPServer):
-    """Answers 503 to the first `fail_first` batches, then acknowledges and records them."""
-
-    def __init__(self) -> None:
-        super().__init__(("127.0.0.1", 0), Handler)
-        self.fail_first = 0
-        self.status = 200
-        self.commands: list[Command] = []
-        self.attempts: list[AgentBatch] = []
-        self.accepted: list[AgentBatch] = []
-        self.tokens: list[str] = []
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.server_address[1]}"
-
-
-class Handler(BaseHTTPRequestHandler):
-    server: FakeController
-
-    def log_message(self, *args: object) -> None:
-        pass
-
-    def _reply(self, status: int, body: bytes) -> None:
-        self.send_response(status)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def do_GET(self) -> None:
-        assert self.path == TIME_PATH
-        self._reply(200, TimeReply(time.time() + 5.0).to_json())
-
-    def do_POST(self) -> None:
-        assert self.path == BATCH_PATH
-        batch = AgentBatch.from_json(self.rfile.read(int(self.headers["Content-Length"])))
-        self.server.attempts.append(batch)
-        self.server.tokens.append(self.headers["Authorization"])
-        if len(self.server.attempts) <= self.server.fail_first:
-            self._reply(503, b"daemon restarting")
-            return
-        if self.server.status != 200:
-            self._reply(self.server.status, b"bad token")
-            return
-        self.server.accepted.append(batch)
-        reply = BatchReply(batch.seq, time.time(), tuple(self.server.commands))
-        self._reply(200, reply.to_json())
+from slurmft.protocol import AgentEvent, Command, RankHeartbeat, RankStepTime
 
 
 @pytest.fixture
 def controller() -> Iterator[FakeController]:
-    server = FakeController()
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
+    """The stand-in daemon, its clock 5 s ahead (the clock check must see the skew)."""
+    server = FakeController({"r1": "tok"}, clock_offset_s=5.0).start()
     yield server
-    server.shutdown()
-    server.server_close()
+    server.stop()
 
 
 def heartbeat(rank: int, t: float) -> RankHeartbeat:
@@ -90,13 +29,8 @@ def event(n: int) -> AgentEvent:
     return AgentEvent("restart", float(n), f"event {n}")
 
 
-def wait_until(check: object, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if check():  # type: ignore[operator]
-            return
-        time.sleep(0.02)
-    raise AssertionError("timed out")
+# Short polls: the reporter sends every 0.05 s in these tests.
+POLL_S = 0.02
 
 
 def test_outage_keeps_the_batch_and_its_seq_until_acknowledged(controller: FakeController) -> None:
@@ -111,9 +45,9 @@ def test_outage_keeps_the_batch_and_its_seq_until_acknowledged(controller: FakeC
     reporter.add_event(event(1))
     reporter.start()
     try:
-        wait_until(lambda: len(controller.accepted) == 1)
+        wait_for(lambda: len(controller.accepted) == 1, 10, "the first batch", interval_s=POLL_S)
         reporter.add(RankStepTime(0, 2, 0.1, 0.0, 2.0))
-        wait_until(lambda: len(controller.accepted) == 2)
+        wait_for(lambda: len(controller.accepted) == 2, 10, "the second batch", interval_s=POLL_S)
     finally:
         reporter.stop(flush_timeout_s=2)
     assert [b.seq for b in controller.attempts] == [1, 1, 1, 1, 2]  # resent unchanged
@@ -126,14 +60,14 @@ def test_outage_keeps_the_batch_and_its_seq_until_acknowledged(controller: FakeC
 
 
 def test_reply_commands_reach_the_agent(controller: FakeController) -> None:
-    controller.commands = [Command("leave", "node n1 cordoned")]
+    controller.order("n1", Command("leave", "node n1 cordoned"))
     commands: list[Command] = []
     reporter = Reporter(HttpTransport(controller.url, "tok"), run_id="r1", node="n1",
                         on_command=commands.append, interval_s=0.05)
     reporter.add_event(event(1))
     reporter.start()
     try:
-        wait_until(lambda: commands)
+        wait_for(lambda: commands, 10, "a command", interval_s=POLL_S)
     finally:
         reporter.stop(flush_timeout_s=1)
     assert commands == [Command("leave", "node n1 cordoned")]
@@ -141,13 +75,13 @@ def test_reply_commands_reach_the_agent(controller: FakeController) -> None:
 
 def test_an_idle_agent_still_fetches_its_commands(controller: FakeController) -> None:
     """Nothing to report (a spare, frozen workers): empty batches every keepalive_s."""
-    controller.commands = [Command("restart_workers", "rank 1 silent")]
+    controller.order("n1", Command("restart_workers", "rank 1 silent"))
     commands: list[Command] = []
     reporter = Reporter(HttpTransport(controller.url, "tok"), run_id="r1", node="n1",
                         on_command=commands.append, interval_s=0.05, keepalive_s=0.1)
     reporter.start()
     try:
-        wait_until(lambda: len(controller.accepted) >= 2)
+        wait_for(lambda: len(controller.accepted) >= 2, 10, "two batches", interval_s=POLL_S)
     finally:
         reporter.stop(flush_timeout_s=1)
     first = controller.accepted[0]
@@ -156,7 +90,6 @@ def test_an_idle_agent_still_fetches_its_commands(controller: FakeController) ->
 
 
 def test_a_rejected_batch_is_dropped_not_retried_forever(controller: FakeController) -> None:
-    controller.status = 401
     reporter = Reporter(HttpTransport(controller.url, "wrong"), run_id="r1", node="n1",
                         on_command=lambda c: None, interval_s=0.05)
     reporter.add_event(event(1))

@@ -1,135 +1,23 @@
-"""The NVML source against a fake ``pynvml``.
+"""The NVML source against a fake ``pynvml`` (tests/support/fake_nvml.py).
 
-The fake raises the real ``pynvml.NVMLError`` classes with the real return codes (the installed
-nvidia-ml-py, no driver needed), so the source is tested against the error values NVML gives.
+The fake raises the real ``pynvml.NVMLError`` classes with the recorded return codes (the
+installed nvidia-ml-py, no driver needed), so the source is tested against the error values
+NVML gives; tests/unit/gpu/test_nvml_contract.py holds the fake to the real pynvml.
 """
 
 from __future__ import annotations
 
-import queue
 import sys
 import time
-from dataclasses import dataclass, field
-from types import SimpleNamespace
 from typing import Any
 
 import pynvml
 import pytest
+from support.fake_nvml import FakeGpu, FakeNvml, nvml_error
+from support.waiting import wait_for
 
 from slurmft.gpu.api import FaultAction, FaultKind, SourceStatus
 from slurmft.gpu.nvml import NvmlSource
-
-
-def nvml_error(code: int) -> pynvml.NVMLError:
-    return pynvml.NVMLError(code)
-
-
-@dataclass
-class FakeGpu:
-    index: int
-    bus: str = "00000000:3B:00.0"
-    name: str = "NVIDIA H100 80GB HBM3"
-    ecc_uncorrected: int = 0
-    rows: tuple[int, int, int, int] = (0, 0, 0, 0)  # corrected, uncorrected, pending, failure
-    pages_pending: int = 0
-    recovery: int = 0
-    recovery_return: int = 0  # nvmlReturn inside the field value struct
-    clocks: int = 0
-    lost: bool = False
-    handle_error: int | None = None
-    unsupported: set[str] = field(default_factory=set)
-
-
-class FakeNvml:
-    """The subset of pynvml the source calls, over a list of FakeGpu."""
-
-    NVMLError = pynvml.NVMLError
-    NVML_MEMORY_ERROR_TYPE_UNCORRECTED = pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED
-    NVML_VOLATILE_ECC = pynvml.NVML_VOLATILE_ECC
-    nvmlEventTypeXidCriticalError = pynvml.nvmlEventTypeXidCriticalError
-    NVML_FI_DEV_GET_GPU_RECOVERY_ACTION = pynvml.NVML_FI_DEV_GET_GPU_RECOVERY_ACTION
-
-    def __init__(self, gpus: list[FakeGpu], init_error: int | None = None) -> None:
-        self.gpus = gpus
-        self.init_error = init_error
-        self.events: queue.Queue[Any] = queue.Queue()
-        self.registered: list[int] = []
-        self.waits = 0
-        self.shutdown = False
-
-    def nvmlInit(self) -> None:
-        if self.init_error is not None:
-            raise nvml_error(self.init_error)
-
-    def nvmlShutdown(self) -> None:
-        self.shutdown = True
-
-    def nvmlDeviceGetCount(self) -> int:
-        return len(self.gpus)
-
-    def nvmlDeviceGetHandleByIndex(self, index: int) -> FakeGpu:
-        gpu = self.gpus[index]
-        if gpu.handle_error is not None:
-            raise nvml_error(gpu.handle_error)
-        return gpu
-
-    def _get(self, gpu: FakeGpu, name: str, value: Any) -> Any:
-        if gpu.lost:
-            raise nvml_error(pynvml.NVML_ERROR_GPU_IS_LOST)
-        if name in gpu.unsupported:
-            raise nvml_error(pynvml.NVML_ERROR_NOT_SUPPORTED)
-        return value
-
-    def nvmlDeviceGetPciInfo(self, gpu: FakeGpu) -> Any:
-        return SimpleNamespace(busId=self._get(gpu, "pci", gpu.bus.encode()))
-
-    def nvmlDeviceGetName(self, gpu: FakeGpu) -> str:
-        return self._get(gpu, "name", gpu.name)
-
-    def nvmlDeviceGetIndex(self, gpu: FakeGpu) -> int:
-        return gpu.index
-
-    def nvmlDeviceGetTotalEccErrors(self, gpu: FakeGpu, error_type: int, counter: int) -> int:
-        assert (error_type, counter) == (1, 0)  # uncorrected, volatile
-        return self._get(gpu, "ecc", gpu.ecc_uncorrected)
-
-    def nvmlDeviceGetRemappedRows(self, gpu: FakeGpu) -> tuple[int, int, int, int]:
-        return self._get(gpu, "rows", gpu.rows)
-
-    def nvmlDeviceGetRetiredPagesPendingStatus(self, gpu: FakeGpu) -> int:
-        return self._get(gpu, "pages", gpu.pages_pending)
-
-    def nvmlDeviceGetFieldValues(self, gpu: FakeGpu, field_ids: list[int]) -> list[Any]:
-        assert field_ids == [pynvml.NVML_FI_DEV_GET_GPU_RECOVERY_ACTION]
-        self._get(gpu, "fields", None)
-        return [SimpleNamespace(fieldId=field_ids[0], nvmlReturn=gpu.recovery_return,
-                                value=SimpleNamespace(uiVal=gpu.recovery))]
-
-    def nvmlDeviceGetCurrentClocksEventReasons(self, gpu: FakeGpu) -> int:
-        return self._get(gpu, "clocks", gpu.clocks)
-
-    # events
-    def nvmlEventSetCreate(self) -> object:
-        return object()
-
-    def nvmlDeviceRegisterEvents(self, gpu: FakeGpu, kinds: int, event_set: object) -> None:
-        assert kinds == pynvml.nvmlEventTypeXidCriticalError
-        self._get(gpu, "events", None)
-        self.registered.append(gpu.index)
-
-    def nvmlEventSetWait_v2(self, event_set: object, timeout_ms: int) -> Any:
-        self.waits += 1
-        try:
-            return self.events.get(timeout=timeout_ms / 1000)
-        except queue.Empty:
-            raise nvml_error(pynvml.NVML_ERROR_TIMEOUT) from None
-
-    def nvmlEventSetFree(self, event_set: object) -> None:
-        pass
-
-    def emit_xid(self, gpu: FakeGpu, xid: int) -> None:
-        self.events.put(SimpleNamespace(device=gpu, eventType=pynvml.nvmlEventTypeXidCriticalError,
-                                        eventData=xid))
 
 
 def check(fake: FakeNvml) -> Any:
@@ -269,13 +157,6 @@ def test_gpu_lost_on_any_field_or_on_open() -> None:
     assert 0 not in by_gpu
 
 
-def _wait_for(predicate: Any, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.01)
-
-
 @pytest.mark.serial  # bounds a wait in seconds
 def test_xid_event_from_the_event_set_and_prompt_shutdown() -> None:
     fake = FakeNvml([FakeGpu(0), FakeGpu(1, bus="00000000:B3:00.0")])
@@ -284,13 +165,14 @@ def test_xid_event_from_the_event_set_and_prompt_shutdown() -> None:
     assert fake.registered == [0, 1]
     fake.emit_xid(fake.gpus[1], 79)
     fake.emit_xid(fake.gpus[0], 13)
-    _wait_for(lambda: len(source.check().faults) == 2)
+    wait_for(lambda: len(source.check().faults) == 2, 5, "both Xid faults", interval_s=0.01)
     faults = source.check().faults
     assert [(f.gpu, f.xid, f.action) for f in faults] == [
         (1, 79, FaultAction.DRAIN), (0, 13, FaultAction.RESTART_APP)]
     assert faults[0].drain_reason() == "slurmft: Xid 79 GPU fell off the bus (GPU 1)"
     assert faults[0].pci_bus == "0000:b3:00"
-    _wait_for(lambda: fake.waits > 3)  # the loop keeps waiting through timeouts
+    # The loop keeps waiting through timeouts.
+    wait_for(lambda: fake.waits > 3, 5, "more event waits", interval_s=0.01)
     started = time.monotonic()
     source.close()
     assert time.monotonic() - started < 2.0  # short waits: shutdown does not hang
@@ -310,7 +192,7 @@ def test_unknown_xid_event_restarts_the_app() -> None:
     source = NvmlSource(fake, event_timeout_ms=20)
     source.start()
     fake.emit_xid(fake.gpus[0], 999)  # NVML: "999 for unknown xid error"
-    _wait_for(lambda: bool(source.check().faults))
+    wait_for(lambda: source.check().faults, 5, "the Xid fault", interval_s=0.01)
     (fault,) = source.check().faults
     source.close()
     assert (fault.xid, fault.action, fault.summary) == (999, FaultAction.RESTART_APP, "unknown Xid")

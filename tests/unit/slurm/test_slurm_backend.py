@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import pytest
-from slurm_recordings import ReplayRunner, job_id_of, jobs_asked, load_recording
+from support.slurm_recordings import ReplayRunner, job_id_of, jobs_asked, load_recording
 
 from slurmft.slurm.api import (
     SlurmBadRequest,
