@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy import create_engine, make_url, text
 
+from slurmft.controller.http import IngestServer
 from slurmft.db import Database
 from slurmft.db.models import Attempt, Run
 from slurmft.db.states import RunState
@@ -43,6 +44,16 @@ def database(store_url: str) -> Iterator[Database]:
         yield db
     finally:
         db.dispose()
+
+
+@pytest.fixture
+def ingest_server(database: Database) -> Iterator[IngestServer]:
+    """The daemon's real agent endpoint (HTTP on loopback) over the store."""
+    srv = IngestServer(database).start()
+    try:
+        yield srv
+    finally:
+        srv.stop()
 
 
 class RunSeeder:

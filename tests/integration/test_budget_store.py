@@ -9,12 +9,8 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import select, text
+from support.daemon_side import count_and_record
 
-from slurmft.controller.act import Executor
-from slurmft.controller.decide import count_restarts
-from slurmft.controller.restarts import restart_evidence
-from slurmft.controller.views import RunView
-from slurmft.core.budget import RestartBudget
 from slurmft.db import Database
 from slurmft.db.models import Attempt, Event, EventKind, FaultClass, Run, utcnow
 from slurmft.db.records import record_event
@@ -54,18 +50,7 @@ def _run_restarts(database: Database) -> dict[str, int]:
 
 def _budget(database: Database) -> tuple[int, datetime | None]:
     """One pass's count of the run's budget, recorded; what the store then holds."""
-    with database.session() as s:
-        run = s.get(Run, "r1")
-        assert run is not None
-        view = RunView(
-            "r1",
-            3,
-            None,
-            budget=RestartBudget(restarts_without_progress=run.restarts_without_progress),
-            restarts=restart_evidence(s, run),
-        )
-    budget, actions = count_restarts(view, cap=5)
-    Executor(database, slurm=None).execute(actions)  # type: ignore[arg-type]  # records only
+    budget, _ = count_and_record(database, "r1")
     with database.session() as s:
         run = s.get(Run, "r1")
         assert run is not None

@@ -5,7 +5,7 @@ from __future__ import annotations
 import http.client
 import json
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 
 import msgspec
@@ -13,6 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from sqlalchemy import func, select
+from support.daemon_side import post_batch
 
 from slurmft.controller import views as v
 from slurmft.controller.act import Executor
@@ -28,7 +29,6 @@ from slurmft.db.models import (
 )
 from slurmft.db.records import denylist_add, denylist_remove
 from slurmft.protocol import (
-    BATCH_PATH,
     MAX_BODY_BYTES,
     TIME_PATH,
     AgentBatch,
@@ -54,27 +54,8 @@ def tokens(database: Database, seed_run: Callable[..., None]) -> dict[str, str]:
 
 
 @pytest.fixture
-def server(database: Database) -> Iterator[IngestServer]:
-    srv = IngestServer(database).start()
-    try:
-        yield srv
-    finally:
-        srv.stop()
-
-
-def _post(
-    server: IngestServer, body: bytes, token: str | None, headers: dict[str, str] | None = None
-) -> tuple[int, dict[str, object]]:
-    host, port = server.url.removeprefix("http://").split(":")
-    conn = http.client.HTTPConnection(host, int(port), timeout=10)
-    all_headers = {"Content-Type": "application/json", **(headers or {})}
-    if token is not None:
-        all_headers["Authorization"] = f"Bearer {token}"
-    conn.request("POST", BATCH_PATH, body=body, headers=all_headers)
-    response = conn.getresponse()
-    data = json.loads(response.read())
-    conn.close()
-    return response.status, data
+def server(ingest_server: IngestServer) -> IngestServer:
+    return ingest_server
 
 
 def _batch(
@@ -127,7 +108,7 @@ def test_a_batch_is_stored_once_however_often_it_is_sent(
     database: Database, server: IngestServer, tokens: dict[str, str]
 ) -> None:
     for _ in range(3):
-        status, data = _post(server, _batch(seq=1).to_json(), tokens["r1"])
+        status, data = post_batch(server, _batch(seq=1).to_json(), tokens["r1"])
         assert status == 200
         reply = BatchReply.from_json(json.dumps({"v": 1, **data}))
         assert reply.acked_seq == 1 and reply.commands == ()
@@ -136,7 +117,7 @@ def test_a_batch_is_stored_once_however_often_it_is_sent(
         _count(database, StepTime),
         _count(database, Event),
     ) == (3, 3, 1)
-    assert _post(server, _batch(seq=2).to_json(), tokens["r1"])[0] == 200
+    assert post_batch(server, _batch(seq=2).to_json(), tokens["r1"])[0] == 200
     assert (_count(database, StepTime), _count(database, Event)) == (6, 2)
     with database.session() as s:
         hb = s.get(RankHeartbeat, ("r1", 4))
@@ -162,7 +143,7 @@ def test_a_batch_without_its_run_token_is_refused(
     status: int,
 ) -> None:
     token = None if token_for is None else tokens.get(token_for, "not-a-token")
-    got, data = _post(server, _batch().to_json(), token)
+    got, data = post_batch(server, _batch().to_json(), token)
     assert got == status and "error" in data
     assert _count(database, StepTime) == 0
 
@@ -170,15 +151,15 @@ def test_a_batch_without_its_run_token_is_refused(
 def test_oversized_and_malformed_payloads_are_refused_and_the_server_stays_up(
     database: Database, server: IngestServer, tokens: dict[str, str]
 ) -> None:
-    status, data = _post(
+    status, data = post_batch(
         server, b"x", tokens["r1"], headers={"Content-Length": str(MAX_BODY_BYTES + 1)}
     )
     assert status == 413
-    status, data = _post(server, b'{"v": 1, "run_id": "r1"}', tokens["r1"])
+    status, data = post_batch(server, b'{"v": 1, "run_id": "r1"}', tokens["r1"])
     assert status == 400 and "missing" in str(data["error"])
-    status, data = _post(server, b"\xff\xfe not json", tokens["r1"])
+    status, data = post_batch(server, b"\xff\xfe not json", tokens["r1"])
     assert status == 400
-    assert _post(server, _batch().to_json(), tokens["r1"])[0] == 200
+    assert post_batch(server, _batch().to_json(), tokens["r1"])[0] == 200
 
 
 def test_the_reply_tells_an_excluded_node_to_leave_and_a_hung_one_to_restart(
@@ -190,13 +171,13 @@ def test_the_reply_tells_an_excluded_node_to_leave_and_a_hung_one_to_restart(
             v.RestartWorkers("r1", "slurmft: hang rank 7", node="n3"),
         ]
     )
-    _, data = _post(server, _batch(node="n2").to_json(), tokens["r1"])
+    _, data = post_batch(server, _batch(node="n2").to_json(), tokens["r1"])
     assert data["commands"] == [
         {"kind": "leave", "reason": "slurmft: Xid 79 GPU has fallen off the bus (GPU 3)"}
     ]
-    _, data = _post(server, _batch(node="n3", agent="a-n3-1").to_json(), tokens["r1"])
+    _, data = post_batch(server, _batch(node="n3", agent="a-n3-1").to_json(), tokens["r1"])
     assert data["commands"] == [{"kind": "restart_workers", "reason": "slurmft: hang rank 7"}]
-    _, data = _post(server, _batch(seq=2, node="n3", agent="a-n3-1").to_json(), tokens["r1"])
+    _, data = post_batch(server, _batch(seq=2, node="n3", agent="a-n3-1").to_json(), tokens["r1"])
     assert data["commands"] == []  # delivered once
     with database.session() as s:
         statuses = s.scalars(select(Action.status).order_by(Action.id)).all()
@@ -213,7 +194,7 @@ def test_only_an_active_exclusion_of_this_run_or_of_every_run_makes_a_node_leave
         denylist_add(s, "n4", "slurmft: flaky in r1", run_id="r1")
         denylist_remove(s, "n4", run_id="r1")  # ended by an operator
     for node in ("n1", "n2", "n3", "n4"):
-        _, data = _post(server, _batch(node=node, agent=f"a-{node}").to_json(), tokens["r1"])
+        _, data = post_batch(server, _batch(node=node, agent=f"a-{node}").to_json(), tokens["r1"])
         expected = [{"kind": "leave", "reason": "slurmft: drained"}] if node == "n3" else []
         assert data["commands"] == expected, node
 
@@ -225,7 +206,7 @@ def test_the_stacks_saved_for_a_commanded_restart_become_its_evidence(
     Executor(database, slurm=None).execute(
         [v.RestartWorkers("r1", reason, node="n3")]  # type: ignore[arg-type]
     )
-    _, data = _post(server, _batch(node="n3", agent="a-n3-1").to_json(), tokens["r1"])
+    _, data = post_batch(server, _batch(node="n3", agent="a-n3-1").to_json(), tokens["r1"])
     assert data["commands"] == [{"kind": "restart_workers", "reason": reason}]
     stacks = {"4": 'File "tiny.py", line 290 in train_step'}
     hang = AgentEvent(
@@ -239,7 +220,7 @@ def test_the_stacks_saved_for_a_commanded_restart_become_its_evidence(
     own = msgspec.structs.replace(hang, message="rank 4 stuck in step for 400 s: stacks saved")
     for seq, event in ((2, own), (3, hang)):
         batch = msgspec.structs.replace(_batch(seq, node="n3", agent="a-n3-1"), events=(event,))
-        assert _post(server, batch.to_json(), tokens["r1"])[0] == 200
+        assert post_batch(server, batch.to_json(), tokens["r1"])[0] == 200
     with database.session() as s:
         action = s.scalars(select(Action)).one()
         event = s.get(Event, action.event_id)
@@ -296,7 +277,7 @@ _json_values = st.recursive(
 def test_garbage_never_gets_past_validation(
     database: Database, server: IngestServer, tokens: dict[str, str], body: bytes
 ) -> None:
-    status, data = _post(server, body, tokens["r1"])
+    status, data = post_batch(server, body, tokens["r1"])
     assert status in {400, 403}, data
     assert _count(database, StepTime) == 0
 
@@ -312,7 +293,7 @@ def test_a_gpu_fault_from_an_agent_keeps_its_xid_gpu_and_action(
         details={"xid": 79, "gpu_index": 3, "action": "drain"},
     )
     batch = msgspec.structs.replace(_batch(), events=(fault,))
-    assert _post(server, batch.to_json(), tokens["r1"])[0] == 200
+    assert post_batch(server, batch.to_json(), tokens["r1"])[0] == 200
     with database.session() as s:
         event = s.scalars(select(Event)).one()
         assert (event.kind.value, event.xid, event.gpu_index, event.node) == (
