@@ -12,21 +12,31 @@ import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
-from sqlalchemy import Insert, insert
+from sqlalchemy import Insert, Table, insert
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import Session
 
 from slurmft.db.models import (
     AgentCursor,
+    Base,
     RankHeartbeat,
     RankHeartbeatSample,
     StepTime,
     driver_time,
     utcnow,
 )
+
+if TYPE_CHECKING:
+    import psycopg
+
+
+def _table(model: type[Base]) -> Table:
+    """The model's Table (declarative types ``__table__`` as any FromClause)."""
+    return cast(Table, model.__table__)
+
 
 _HEARTBEAT_UPDATED = (
     "attempt_id",
@@ -42,7 +52,7 @@ _HEARTBEAT_UPDATED = (
 )
 
 # Built once: building a statement costs more than running it for a few rows.
-_LATEST = RankHeartbeat.__table__
+_LATEST = _table(RankHeartbeat)
 _RANKS_PER_READ = 500
 _SAMPLE_COLUMNS = ("run_id", "rank", "node", "phase", "step", "sent_at")
 _STEP_TIME_COLUMNS = (
@@ -81,17 +91,18 @@ class _DriverExecutemany:
         if compiled is None:
             compiled = self._compiled[dialect.name] = self._compile(dialect)
         if compiled.copy_into is None:
-            connection.exec_driver_sql(compiled.sql, list(rows))  # type: ignore[arg-type]
+            connection.exec_driver_sql(compiled.sql, list(rows))
             return
         if compiled.sql:  # an upsert: per connection; emptied at commit, and below
             connection.exec_driver_sql(
                 f"CREATE TEMPORARY TABLE IF NOT EXISTS {compiled.copy_into} "
                 f"(LIKE {compiled.table} INCLUDING DEFAULTS) ON COMMIT DELETE ROWS"
             )
-        dbapi = connection.connection.dbapi_connection
+        # COPY is psycopg's own (the postgresql dialect here is psycopg 3).
+        dbapi = cast("psycopg.Connection[Any] | None", connection.connection.dbapi_connection)
         assert dbapi is not None
         copy_sql = f"COPY {compiled.copy_into} ({', '.join(self.columns)}) FROM STDIN"
-        with dbapi.cursor() as cursor, cursor.copy(copy_sql) as copy:  # type: ignore[attr-defined]
+        with dbapi.cursor() as cursor, cursor.copy(copy_sql) as copy:
             for row in rows:
                 copy.write_row(row)
         if compiled.sql:
@@ -100,7 +111,7 @@ class _DriverExecutemany:
 
     def _compile(self, dialect: Dialect) -> _Compiled:
         statement = self._statement(dialect.name)
-        table = statement.table.name  # type: ignore[attr-defined]
+        table = statement.table.name
         compiled = statement.compile(dialect=dialect, column_keys=list(self.columns))
         if dialect.name != "postgresql":
             assert compiled.positional, dialect.paramstyle  # rows are tuples in our order
@@ -144,7 +155,7 @@ class StepTimeReport:
     peer_group: str = ""
 
 
-def _dialect_insert(dialect: str, table: Any) -> Insert:
+def _dialect_insert(dialect: str, table: Table) -> sqlite.Insert | postgresql.Insert:
     if dialect == "sqlite":
         return sqlite.insert(table)
     if dialect == "postgresql":
@@ -152,14 +163,14 @@ def _dialect_insert(dialect: str, table: Any) -> Insert:
     raise NotImplementedError(f"no upsert for dialect {dialect}")
 
 
-_NEW_SAMPLES = _DriverExecutemany(lambda _: insert(RankHeartbeatSample.__table__), _SAMPLE_COLUMNS)
-_NEW_STEP_TIMES = _DriverExecutemany(lambda _: insert(StepTime.__table__), _STEP_TIME_COLUMNS)
+_NEW_SAMPLES = _DriverExecutemany(lambda _: insert(_table(RankHeartbeatSample)), _SAMPLE_COLUMNS)
+_NEW_STEP_TIMES = _DriverExecutemany(lambda _: insert(_table(StepTime)), _STEP_TIME_COLUMNS)
 
 
 @functools.cache
 def _heartbeat_upsert(dialect: str) -> Insert:
     """Built once per dialect: building it costs more than running it for a node's few ranks."""
-    table = RankHeartbeat.__table__
+    table = _table(RankHeartbeat)
     stmt = _dialect_insert(dialect, table)
     excluded = stmt.excluded
     return stmt.on_conflict_do_update(
@@ -186,7 +197,7 @@ _LATEST_UPSERT = _DriverExecutemany(_heartbeat_upsert, _LATEST_COLUMNS)
 
 @functools.cache
 def _cursor_upsert(dialect: str) -> Insert:
-    table = AgentCursor.__table__
+    table = _table(AgentCursor)
     stmt = _dialect_insert(dialect, table)
     return stmt.on_conflict_do_update(
         index_elements=[table.c.run_id, table.c.agent_id],

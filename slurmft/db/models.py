@@ -33,8 +33,13 @@ from sqlalchemy import (
 from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship, validates
 
-# The vocabulary lives in slurmft.core (the store maps it); the names stay importable from here.
-from slurmft.core.kinds import ActionKind, ActionStatus, EventKind, FaultClass, NodeRole
+# The vocabulary lives in slurmft.core (the store maps it); the names stay importable from here
+# (`X as X`: an explicit re-export, which the type checker requires).
+from slurmft.core.kinds import ActionKind as ActionKind
+from slurmft.core.kinds import ActionStatus as ActionStatus
+from slurmft.core.kinds import EventKind as EventKind
+from slurmft.core.kinds import FaultClass as FaultClass
+from slurmft.core.kinds import NodeRole as NodeRole
 from slurmft.core.states import (
     ATTEMPT_TRANSITIONS,
     RUN_TRANSITIONS,

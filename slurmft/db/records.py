@@ -11,7 +11,7 @@ from collections.abc import Iterable
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import or_, select
+from sqlalchemy import ColumnElement, Select, or_, select
 from sqlalchemy.orm import Session
 
 from slurmft.db.models import (
@@ -130,7 +130,7 @@ def denied_nodes(
     session: Session, *, run_id: str | None = None, now: datetime | None = None
 ) -> frozenset[str]:
     """Nodes kept out of every run, plus (with ``run_id``) those kept out of that run."""
-    scope = DenylistEntry.run_id.is_(None)
+    scope: ColumnElement[bool] = DenylistEntry.run_id.is_(None)
     if run_id is not None:
         scope = or_(scope, DenylistEntry.run_id == run_id)
     rows: Iterable[str] = session.scalars(
@@ -139,14 +139,14 @@ def denied_nodes(
     return frozenset(rows)
 
 
-def _active(now: datetime) -> Any:
+def _active(now: datetime) -> Select[DenylistEntry]:
     return select(DenylistEntry).where(
         DenylistEntry.removed_at.is_(None),
         or_(DenylistEntry.expires_at.is_(None), DenylistEntry.expires_at > now),
     )
 
 
-def _active_for(node: str, run_id: str | None) -> Any:
+def _active_for(node: str, run_id: str | None) -> Select[DenylistEntry]:
     """Active entries of exactly this scope: the run's own, or the global ones."""
     same_scope = (
         DenylistEntry.run_id.is_(None) if run_id is None else DenylistEntry.run_id == run_id

@@ -14,8 +14,9 @@ import math
 from collections import defaultdict
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from typing import Any, cast
 
-from sqlalchemy import delete, func, select
+from sqlalchemy import CursorResult, delete, func, select
 from sqlalchemy.orm import Session
 
 from slurmft.db.models import RankHeartbeatSample, StepTime, StepTimeMinute
@@ -145,7 +146,11 @@ def fold_step_times(session: Session, older_than: datetime, *, max_minutes: int 
 
 def prune_heartbeat_samples(session: Session, older_than: datetime) -> int:
     """Delete sampled heartbeat history older than the window; the latest beat per rank stays."""
-    result = session.execute(
-        delete(RankHeartbeatSample).where(RankHeartbeatSample.sent_at < older_than)
+    # A DELETE's result is a CursorResult (it has rowcount); Session.execute is typed Result.
+    result = cast(
+        "CursorResult[Any]",
+        session.execute(
+            delete(RankHeartbeatSample).where(RankHeartbeatSample.sent_at < older_than)
+        ),
     )
     return int(result.rowcount or 0)
