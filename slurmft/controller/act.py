@@ -170,12 +170,12 @@ class Executor:
                 return ActionKind.EVICT_NODE, node, lambda: self._slurm.down(node, action.reason)
             case v.RestartWorkers(node=node):
                 return ActionKind.RESTART_WORKERS, node, None
-            case v.RequeueJob(job_id=job_id, exclude=exclude):
+            case v.RequeueJob(job_id=requeued, exclude=exclude):
 
                 def requeue() -> None:
                     # ExcNodeList can only change while the job waits, and a requeued job may
                     # start again within seconds: the client holds it, updates, releases.
-                    self._slurm.requeue(job_id, exclude=sorted(exclude))
+                    self._slurm.requeue(requeued, exclude=sorted(exclude))
 
                 return ActionKind.REQUEUE, None, requeue
             case v.SubmitAttempt(exclude=exclude):

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from functools import partial
-from typing import Any
+from typing import Any, Required, TypedDict, Unpack
 
 from slurmft.config import Config
 from slurmft.controller.detect import find_hangs, find_stragglers, find_unresponsive
@@ -224,11 +224,22 @@ def _decide_run(
     return actions
 
 
-def _event(run: RunView, key: str, **kwargs: object) -> list[Action]:
+class _EventFields(TypedDict, total=False):
+    """RecordEvent's fields that _event passes through."""
+
+    reason: Required[str]
+    evidence: dict[str, Any]
+    kind: EventKind
+    fault_class: FaultClass | None
+    node: str | None
+    rank: int | None
+
+
+def _event(run: RunView, key: str, **kwargs: Unpack[_EventFields]) -> list[Action]:
     """A RecordEvent unless this finding was recorded before."""
     if key in run.reported:
         return []
-    return [RecordEvent(run.run_id, key=key, **kwargs)]  # type: ignore[arg-type]
+    return [RecordEvent(run.run_id, key=key, **kwargs)]
 
 
 def _stop(run: RunView, reason: str, job_id: str | None = None) -> list[Action]:

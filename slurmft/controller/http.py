@@ -67,6 +67,7 @@ class IngestServer:
     @property
     def url(self) -> str:
         host, port = self._server.server_address[:2]
+        assert isinstance(host, str)  # an AF_INET address: (host, port)
         return f"http://{host}:{port}"
 
     def start(self) -> IngestServer:

@@ -269,6 +269,6 @@ class StoreCollector(Collector):
         failed = CounterMetricFamily(
             "slurmft_failures", "Failure events recorded, by kind.", labels=["kind"]
         )
-        for kind in FAILURE_KINDS:
-            failed.add_metric([kind.value], failures.get(kind, 0))
+        for failure in FAILURE_KINDS:
+            failed.add_metric([failure.value], failures.get(failure, 0))
         return [by_state, recovered, drained, stragglers, failed]

@@ -10,6 +10,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from typing import cast
 
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
@@ -69,7 +70,7 @@ _END_BY_STATE = {
     JobState.NODE_FAIL: JobEnd.NODE_FAIL,
     JobState.BOOT_FAIL: JobEnd.NODE_FAIL,
 }
-_END_BY_EXIT = {
+_END_BY_EXIT: dict[int, JobEnd] = {
     BatchExit.FINISHED: JobEnd.FINISHED,
     BatchExit.GIVE_UP: JobEnd.GIVE_UP,
     # Fewer than N usable nodes and the self-requeue was refused: nodes were lost.
@@ -540,7 +541,8 @@ def xid_history(session: Session, *, now: datetime) -> tuple[XidOccurrence, ...]
             Event.occurred_at >= now - LEMON_WINDOW,
         )
     ).all()
-    return tuple(XidOccurrence(node, run_id, xid, at) for node, run_id, xid, at in rows)
+    known = cast("Iterable[tuple[str, str, int, datetime]]", rows)  # none NULL: the WHERE above
+    return tuple(XidOccurrence(node, run_id, xid, at) for node, run_id, xid, at in known)
 
 
 def _drains_since(session: Session, since: datetime) -> int:
@@ -571,4 +573,4 @@ def _straggler_windows(session: Session) -> dict[str, int]:
         )
         .group_by(Event.node)
     ).all()
-    return {node: count for node, count in rows}
+    return {node: count for node, count in cast("Iterable[tuple[str, int]]", rows)}  # no NULL node

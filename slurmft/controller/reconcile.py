@@ -82,7 +82,7 @@ def reconcile(
 ) -> None:
     """Apply Slurm's view of every tracked job to its run and attempts."""
     for run, attempt in runs.values():
-        if attempt is None or attempt.slurm_job_id not in jobs:
+        if attempt is None or attempt.slurm_job_id is None or attempt.slurm_job_id not in jobs:
             continue
         job = jobs[attempt.slurm_job_id]
         if job.restarts > attempt.slurm_restarts and attempt.state is AttemptState.SUBMITTED:

@@ -43,7 +43,7 @@ def peer_uid(sock: socket.socket) -> int:
     """The uid of the process at the other end of a unix socket, as the kernel reports it."""
     creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
     _pid, uid, _gid = struct.unpack("3i", creds)
-    return uid
+    return int(uid)
 
 
 class _Handler(socketserver.StreamRequestHandler):
