@@ -155,11 +155,11 @@ class NodeAgent:
         if self.reporter is not None:
             self.reporter.add_event(
                 AgentEvent(
-                    kind=kind.value,
+                    kind=kind,
                     occurred_at=time.time(),
                     message=message,
                     rank=rank,
-                    fault_class=fault_class.value if fault_class else None,
+                    fault_class=fault_class,
                     details={"node": self.settings.node, **details},
                 )
             )

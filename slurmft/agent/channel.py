@@ -92,11 +92,11 @@ def to_record(message: dict[str, Any]) -> Record | None:
     if kind == "straggler":
         details = {k: v for k, v in message.items() if k not in _ENVELOPE}
         return AgentEvent(
-            kind=EventKind.STRAGGLER.value,
+            kind=EventKind.STRAGGLER,
             occurred_at=float(message["time"]),
             message=f"rank {message['straggler_rank']} is {message['ratio']:.2f}x its peers",
             rank=int(message["straggler_rank"]),
-            fault_class=FaultClass.STRAGGLER.value,
+            fault_class=FaultClass.STRAGGLER,
             details=details,
         )
     if kind == "round":
@@ -114,11 +114,11 @@ def to_record(message: dict[str, Any]) -> Record | None:
         if worker_round is not None:
             details["rdzv_round"] = worker_round  # the agent names it in its step (round_key)
         return AgentEvent(
-            kind=event_kind.value,
+            kind=event_kind,
             occurred_at=float(message["time"]),
             message=str(message["event"]),
             rank=int(message["rank"]),
-            fault_class=fault_class.value if fault_class else None,
+            fault_class=fault_class,
             details=details,
         )
     return None

@@ -119,7 +119,7 @@ def succeed_on_graceful_exit(run: Callable[..., Any], success: Callable[[], Any]
 def patch_graceful_exit() -> None:
     from torch.distributed.elastic.agent.server import api  # noqa: TID251
 
-    api.SimpleElasticAgent.run = succeed_on_graceful_exit(  # type: ignore[method-assign]
+    api.SimpleElasticAgent.run = succeed_on_graceful_exit(  # type: ignore[method-assign]  # patching torch's method in place is the point
         api.SimpleElasticAgent.run, lambda: api.RunResult(state=api.WorkerState.SUCCEEDED)
     )
 

@@ -171,7 +171,7 @@ def _shorten_poll(module: ModuleType, poll_s: float) -> None:
         finally:
             holder._cache_duration = training_cache_s
 
-    module._delay = delay
+    vars(module)["_delay"] = delay  # a module's attributes are its __dict__
     handler_cls.next_rendezvous = next_rendezvous
     setattr(module, _POLL_MARK, poll_s)
 
@@ -194,7 +194,7 @@ def apply(module: ModuleType, poll_s: float = TORCH_POLL_S) -> None:
     original_add_redundant = executor_cls._add_to_redundancy_list
 
     def num_nodes_waiting(self: Any) -> int:
-        waiting = original_num_nodes_waiting(self)  # syncs the state first
+        waiting: int = original_num_nodes_waiting(self)  # syncs the state first
         if _round_full(self._state_holder.state, self.settings.max_nodes):
             return 0  # (a)
         return waiting

@@ -151,7 +151,8 @@ def _pop(queue: deque[T], limit: int) -> list[T]:
 
 def backoff_s(failures: int, base_s: float = 0.5, cap_s: float = 30.0) -> float:
     """Exponential with ±20 % jitter, so agents that lost the controller together spread out."""
-    return min(cap_s, base_s * 2 ** max(0, failures - 1)) * random.uniform(0.8, 1.2)
+    factor: int = 2 ** max(0, failures - 1)
+    return min(cap_s, base_s * factor) * random.uniform(0.8, 1.2)
 
 
 class Reporter:
