@@ -66,7 +66,8 @@ class VerifiedCheckpoint:
 
     @property
     def resume(self) -> dict[str, Any]:
-        return self.manifest["resume"]
+        resume: dict[str, Any] = self.manifest["resume"]
+        return resume
 
 
 def rng_file_name(rank: int) -> str:
@@ -86,8 +87,8 @@ def _on_rank0_for_all(action: Callable[[], Any], what: str) -> Any:
     if dist.get_rank() == 0:
         try:
             result = (action(), None)
-        except Exception as error:
-            result = (None, repr(error))
+        except Exception as exc:
+            result = (None, repr(exc))
     value, error = _broadcast(result)
     if error is not None:
         raise CheckpointSaveFailed(f"{what} failed on rank 0: {error}")
@@ -278,5 +279,6 @@ class CheckpointManager:
         dcp.load(state, storage_reader=dcp.FileSystemReader(checkpoint.path))
         rng_path = checkpoint.path / rng_file_name(self.rank)
         if checkpoint.manifest["world_size"] == self.world_size and rng_path.is_file():
-            return json.loads(rng_path.read_text())
+            rng_state: dict[str, Any] = json.loads(rng_path.read_text())
+            return rng_state
         return None  # a new world size: rank r is not the old rank r; the script reseeds

@@ -108,7 +108,7 @@ class ReportChannel:
         return json.dumps(message, separators=(",", ":")).encode()
 
     def send(self, kind: str, **fields: Any) -> bool:
-        if self._sock is None:
+        if self._sock is None or self.socket_path is None:  # the socket exists only with a path
             # No agent configured: the cheapest path, taken by plain torchrun runs.
             self.stats.drop("no_socket")
             return False

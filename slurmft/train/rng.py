@@ -24,7 +24,9 @@ def _tensor(text: str) -> torch.Tensor:
 
 def capture_rng_state() -> dict[str, Any]:
     version, python_state, gauss = random.getstate()
-    kind, keys, position, has_gauss, cached = np.random.get_state()
+    numpy_state = np.random.get_state(legacy=True)  # legacy (the default): a tuple
+    assert isinstance(numpy_state, tuple)
+    kind, keys, position, has_gauss, cached = numpy_state
     state: dict[str, Any] = {
         "python": [version, list(python_state), gauss],
         "numpy": [kind, keys.tolist(), int(position), int(has_gauss), float(cached)],

@@ -52,7 +52,7 @@ class StragglerDetector:
         self.groups = groups
         self.window = window
         self.threshold = threshold
-        self._ratios = [deque(maxlen=window) for _ in range(groups.world_size)]
+        self._ratios: list[deque[float]] = [deque(maxlen=window) for _ in range(groups.world_size)]
 
     def observe(self, compute_s: Sequence[float]) -> list[Straggler]:
         if len(compute_s) != self.groups.world_size:

@@ -17,11 +17,15 @@ import time
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
+from typing import TypeAlias
 
 import torch
 import torch.distributed as dist
 
 from slurmft.train.heartbeat import Heartbeat
+
+# A step's CUDA events per section ("compute", "wait"): (start, end) of each timed stretch.
+_Events: TypeAlias = "dict[str, list[tuple[torch.cuda.Event, torch.cuda.Event]]]"
 
 
 @dataclass(frozen=True)
@@ -50,8 +54,8 @@ class StepTimer:
         self._step_start = 0.0
         self._compute = 0.0
         self._wait = 0.0
-        self._events: dict[str, list[tuple[torch.cuda.Event, torch.cuda.Event]]] = {}
-        self._pending: tuple[int, float, dict[str, list]] | None = None
+        self._events: _Events = {}
+        self._pending: tuple[int, float, _Events] | None = None
         self.last: StepTiming | None = None
 
     def start_step(self, step: int) -> None:

@@ -87,8 +87,10 @@ def main(argv: list[str] | None = None) -> None:
         loss.backward()
         time.sleep(args.work_ms / 1000.0)
         for p in model.parameters():
-            dist.all_reduce(p.grad)  # a dead peer makes this raise: torchrun restarts us
-            p.grad /= world
+            grad = p.grad
+            assert grad is not None  # backward() gave every parameter one
+            dist.all_reduce(grad)  # a dead peer makes this raise: torchrun restarts us
+            grad /= world
         optimizer.step()
         step += 1
         if rank == 0:

@@ -194,6 +194,12 @@ def seed_rank(seed: int, rank: int, step: int) -> None:
     torch.manual_seed(value)
 
 
+def grad_of(p: torch.Tensor) -> torch.Tensor:
+    """A parameter's gradient, there after the first backward (zero_grad keeps it, as zeros)."""
+    assert p.grad is not None
+    return p.grad
+
+
 def make_plan(args: argparse.Namespace, world_size: int) -> BatchPlan:
     if args.no_accumulation:
         micro = args.max_micro_batch
@@ -348,7 +354,7 @@ class TinyRun:
         with self.timer.compute():
             self.optimizer.zero_grad(set_to_none=False)
             loss_sum, seen = self._forward_backward()
-            flat = torch.cat([p.grad.reshape(-1) for p in params])
+            flat = torch.cat([grad_of(p).reshape(-1) for p in params])
         with self.timer.wait():
             flat, compute_times, save_requested = self._reduce(flat)
             stats = torch.tensor(
@@ -360,7 +366,7 @@ class TinyRun:
         with self.timer.compute():
             offset = 0
             for p in params:
-                p.grad.copy_(flat[offset : offset + p.numel()].view_as(p))
+                grad_of(p).copy_(flat[offset : offset + p.numel()].view_as(p))
                 offset += p.numel()
             lr = self.scheduler.get_last_lr()[0]
             self.optimizer.step()
