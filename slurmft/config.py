@@ -573,7 +573,7 @@ def load_config(
 
     values = {s.key: Value(s.default, "default") for s in SETTINGS}
     for where, layer in layers:
-        _apply(values, layer, where, lambda _key, w=where: w)
+        _apply(values, layer, where, lambda _key, w=where: w)  # type: ignore[misc]  # mypy cannot type a lambda with a default
     _apply(values, env_layer, "environment", lambda key: f"env {SETTINGS_BY_KEY[key].env_var}")
     _apply(values, _parse_overrides(overrides or []), "--set", lambda _key: "flag --set")
     return Config(values)

@@ -180,9 +180,10 @@ def _decode(cls: type[T], payload: bytes | str, where: str) -> T:
     if decoder is None:
         decoder = _DECODERS[cls] = msgspec.json.Decoder(cls)
     try:
-        return decoder.decode(payload)
+        decoded: T = decoder.decode(payload)  # the decoder made for cls
     except msgspec.DecodeError as error:  # ValidationError is a DecodeError
         raise _field_error(str(error), where) from None
+    return decoded
 
 
 def _check_version(payload: bytes | str) -> None:

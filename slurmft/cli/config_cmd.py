@@ -31,8 +31,8 @@ def show(
     for key, value in config.items():
         typer.echo(f"{key:<{width}}  {value.value!r:<32}  # {value.source}")
     typer.echo("")
-    for key, value in resolved.items():
-        typer.echo(f"{key:<{width}}  {value}")
+    for key, text in resolved.items():
+        typer.echo(f"{key:<{width}}  {text}")
 
 
 def _redacted_url(url: str) -> str:

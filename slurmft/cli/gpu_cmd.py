@@ -52,5 +52,5 @@ def _print_text(report: ProbeReport) -> None:
         where = f"GPU {fault.gpu}" if fault.gpu is not None else (fault.pci_bus or "node")
         xid = f"Xid {fault.xid} " if fault.xid is not None else ""
         typer.echo(f"{fault.action:<11} {where:<8} {xid}{fault.summary}  [{fault.source}]")
-    reason = report.drain_reason()
-    typer.echo(f"verdict: drain this node: {reason}" if reason else f"verdict: {report.action}")
+    drain = report.drain_reason()
+    typer.echo(f"verdict: drain this node: {drain}" if drain else f"verdict: {report.action}")
