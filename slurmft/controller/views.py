@@ -16,7 +16,8 @@ from typing import Any
 from slurmft.controller.detect import RankBeat, RankCompute
 from slurmft.core.budget import ChargedRestart, RestartBudget, Sighting
 from slurmft.core.kinds import EventKind, FaultClass, NodeRole
-from slurmft.core.states import JobPhase, RunState
+from slurmft.core.states import JobPhase as JobPhase  # re-exported: observe and decide use it
+from slurmft.core.states import RunState
 from slurmft.gpu.api import FaultAction
 from slurmft.gpu.lemons import XidOccurrence
 

@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import StrEnum
 
-from slurmft.core.states import JobPhase
+from slurmft.core.states import JobPhase as JobPhase  # re-exported: slurmft.slurm names it
 
 
 class JobState(StrEnum):
