@@ -151,7 +151,9 @@ def _pop(queue: deque[T], limit: int) -> list[T]:
 
 def backoff_s(failures: int, base_s: float = 0.5, cap_s: float = 30.0) -> float:
     """Exponential with ±20 % jitter, so agents that lost the controller together spread out."""
-    factor: int = 2 ** max(0, failures - 1)
+    # The exponent is bounded: 2 ** 1024 is past any float, and an agent whose daemon stayed
+    # away for hours (about 1,000 failed sends at the cap) must keep trying, not crash.
+    factor: int = 2 ** min(max(0, failures - 1), 32)
     return min(cap_s, base_s * factor) * random.uniform(0.8, 1.2)
 
 

@@ -132,6 +132,8 @@ def test_backoff_grows_to_its_cap() -> None:
     assert 0.4 <= backoff_s(1) <= 0.6
     assert 3.2 <= backoff_s(4) <= 4.8
     assert backoff_s(50, cap_s=30) <= 36
+    # A daemon away for a day: about 3,000 failed sends at the cap, still a wait, not a crash.
+    assert 24 <= backoff_s(3000, cap_s=30) <= 36
 
 
 def test_server_time_for_the_clock_check(controller: FakeController) -> None:
