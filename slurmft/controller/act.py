@@ -39,7 +39,9 @@ from slurmft.db.models import (
 )
 from slurmft.db.records import denylist_add, finish_action, plan_action, record_event
 from slurmft.db.states import AttemptState, RunState
-from slurmft.slurm.api import SlurmClient, SlurmError, SlurmPermissionDenied
+from slurmft.errors import SlurmftError
+from slurmft.slurm.api import SlurmClient, SlurmError, SlurmJobNotFound, SlurmPermissionDenied
+from slurmft.slurm.script import not_the_runs_job
 
 log = logging.getLogger(__name__)
 
@@ -133,7 +135,7 @@ class Executor:
             return Outcome(action, ActionStatus.PLANNED)  # the webhook job delivers it
         try:
             effect()
-        except (SlurmPermissionDenied, SubmissionError) as exc:
+        except (SlurmPermissionDenied, SubmissionError, NotTheRunsJob) as exc:
             # Not an error to retry: this daemon may not do it. A person has to.
             error = (
                 f"drain requested, not permitted: {exc}"
@@ -173,6 +175,7 @@ class Executor:
             case v.RequeueJob(job_id=requeued, exclude=exclude):
 
                 def requeue() -> None:
+                    self._check_job_is_the_runs(session, action, requeued)
                     # ExcNodeList can only change while the job waits, and a requeued job may
                     # start again within seconds: the client holds it, updates, releases.
                     self._slurm.requeue(requeued, exclude=sorted(exclude))
@@ -227,15 +230,44 @@ class Executor:
         if not self._webhook:
             finish_action(row, ActionStatus.DONE)
 
+    def _check_job_is_the_runs(self, session: Session, action: v.Action, job_id: str) -> None:
+        """Slurm's record of the job, not the store's, says whose it is: the daemon cancels or
+        requeues it with its own rights only when it is the run owner's and tagged with the
+        run (slurmft.slurm.script.not_the_runs_job); raises NotTheRunsJob otherwise."""
+        run = session.get(Run, action.run_id)
+        if run is None:
+            raise NotTheRunsJob(f"job {job_id}: no run {action.run_id} in the store")
+        problem = not_the_runs_job(self._slurm.job(job_id), run.id, run.owner_uid)
+        if problem is not None:
+            raise NotTheRunsJob(f"not touched: {problem}")
+
+    def _cancel(self, session: Session, action: v.Action, job_id: str) -> None:
+        try:
+            self._check_job_is_the_runs(session, action, job_id)
+        except SlurmJobNotFound:
+            return  # gone from Slurm already: nothing left to cancel
+        self._slurm.cancel(job_id)
+
     def _finish(
         self, session: Session, action: v.Action, state: RunState, job_id: str | None
     ) -> None:
+        reason = action.reason
         if job_id is not None:
-            self._slurm.cancel(job_id)
+            try:
+                self._cancel(session, action, job_id)
+            except NotTheRunsJob as exc:
+                # The run ends as decided; the job that is not its own is left alone.
+                reason = f"{action.reason} (job {job_id} {exc})"
+                self._notify(session, action, reason)
         run = session.get(Run, action.run_id)
         if run is not None and not run.state.is_terminal:
             run.state = state
-            run.end_reason = action.reason
+            run.end_reason = reason
+
+
+class NotTheRunsJob(SlurmftError):
+    """Slurm says the job a run's action names is not that run's (another owner, another
+    run's comment): the daemon does not touch it, and a person is told."""
 
 
 def _skipped_before(session: Session, kind: ActionKind, node: str | None, action: v.Action) -> bool:

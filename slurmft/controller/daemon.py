@@ -272,7 +272,7 @@ class Daemon:
         ).start()
         self._rpc = RpcServer(
             self.config.runtime_dir / SOCKET_NAME,
-            operations(self.database, controller_url=self._agents_url()),
+            operations(self.database, slurm=self.slurm, controller_url=self._agents_url()),
         ).start()
         host, port = _host_port(self.config["daemon.metrics_listen"], "daemon.metrics_listen")
         self._ops = OpsServer(

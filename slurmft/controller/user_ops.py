@@ -21,6 +21,8 @@ from slurmft.db import Database
 from slurmft.db.models import Action, ActionKind, Attempt, Event, Run, utcnow
 from slurmft.db.records import denied_nodes
 from slurmft.db.states import RunState
+from slurmft.slurm.api import SlurmClient, SlurmError, SlurmJobNotFound
+from slurmft.slurm.script import not_the_runs_job
 
 ROOT_UID = 0
 
@@ -98,9 +100,49 @@ def _submission_arg(args: Mapping[str, Any]) -> dict[str, Any] | None:
         raise RpcError(str(exc)) from None
 
 
-def operations(database: Database, *, controller_url: str = "") -> dict[str, Operation]:
-    """The daemon's user-facing operations, bound to its store (and, for new runs, the URL
-    its agents report to)."""
+def _slurm_says_is_the_runs(slurm: SlurmClient, job_id: str, run: Run) -> None:
+    """The daemon acts on a run's job with its own rights: a job id a user names becomes the
+    run's only when Slurm says the user submitted it for this run (owner and comment)."""
+    try:
+        job = slurm.job(job_id)
+    except SlurmJobNotFound:
+        raise RpcError(f"Slurm has no job {job_id}") from None
+    except SlurmError as exc:
+        raise RpcError(
+            f"cannot check job {job_id} with Slurm ({exc}); nothing was attached, try again"
+        ) from None
+    problem = not_the_runs_job(job, run.id, run.owner_uid)
+    if problem is not None:
+        raise RpcError(f"job {job_id} is not run {run.id}'s: {problem}")
+
+
+def _attach_job(
+    database: Database, slurm: SlurmClient, uid: int, args: Mapping[str, Any]
+) -> dict[str, Any]:
+    """The job `slurmft submit` made for a run becomes its next attempt, once Slurm confirms
+    it is the caller's job for that run."""
+    job_id = args.get("job_id")
+    if not isinstance(job_id, str) or not job_id.strip():
+        raise RpcError("a Slurm job id is required")
+    job_id = job_id.strip()
+    submission = _submission_arg(args)
+    with database.session() as session:
+        claimed = _visible(session, uid, args.get("run_id"))
+    _slurm_says_is_the_runs(slurm, job_id, claimed)  # outside a transaction: Slurm may be slow
+    with database.session() as session:
+        run = _visible(session, uid, claimed.id)
+        number = (_latest_attempt(session, run.id) or Attempt(number=0)).number + 1
+        session.add(Attempt(run_id=run.id, number=number, slurm_job_id=job_id))
+        if submission is not None:  # what a resubmission sends again (controller.resubmit)
+            run.submission = submission
+        return {"run_id": run.id, "attempt": number, "job_id": job_id}
+
+
+def operations(
+    database: Database, *, slurm: SlurmClient, controller_url: str = ""
+) -> dict[str, Operation]:
+    """The daemon's user-facing operations, bound to its store, to Slurm (to check what users
+    claim about jobs) and, for new runs, to the URL its agents report to."""
 
     def create_run(uid: int, args: Mapping[str, Any]) -> dict[str, Any]:
         spec = RunSpec.from_dict(dict(args.get("spec") or {}))
@@ -127,17 +169,7 @@ def operations(database: Database, *, controller_url: str = "") -> dict[str, Ope
             }
 
     def attach_job(uid: int, args: Mapping[str, Any]) -> dict[str, Any]:
-        job_id = args.get("job_id")
-        if not isinstance(job_id, str) or not job_id.strip():
-            raise RpcError("a Slurm job id is required")
-        submission = _submission_arg(args)
-        with database.session() as session:
-            run = _visible(session, uid, args.get("run_id"))
-            number = (_latest_attempt(session, run.id) or Attempt(number=0)).number + 1
-            session.add(Attempt(run_id=run.id, number=number, slurm_job_id=job_id))
-            if submission is not None:  # what a resubmission sends again (controller.resubmit)
-                run.submission = submission
-            return {"run_id": run.id, "attempt": number, "job_id": job_id}
+        return _attach_job(database, slurm, uid, args)
 
     def fail_run(uid: int, args: Mapping[str, Any]) -> dict[str, Any]:
         with database.session() as session:

@@ -75,6 +75,9 @@ class JobInfo:
     excluded_nodes: tuple[str, ...] = ()
     exit_code: str = ""
     requeue: bool | None = None
+    # The owner's uid (scontrol's `UserId=name(uid)`, the JSON's `user_id`); None where the
+    # source does not say (squeue's pipe format).
+    user_id: int | None = None
     raw: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
 
     @property

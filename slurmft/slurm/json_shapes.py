@@ -46,6 +46,7 @@ def jobs_from_squeue_json(document: Mapping[str, Any]) -> dict[str, JobInfo]:
             restarts=number(job.get("restart_cnt")) or 0,
             excluded_nodes=tuple(expand(blank(str(job.get("excluded_nodes", ""))))),
             requeue=job.get("requeue") if isinstance(job.get("requeue"), bool) else None,
+            user_id=number(job.get("user_id")),
             raw={key: str(value) for key, value in job.items() if isinstance(value, str | int)},
         )
     return jobs

@@ -25,6 +25,7 @@ _SCONTROL_KEY = re.compile(r"(?:^|(?<=\s))([A-Z][A-Za-z0-9_/:.]*)=")
 _BOUNDED_NODE_VALUES = {
     "Reason": re.compile(r"\s?\[[^\[\]@]*@\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\]"),
 }
+_OWNER = re.compile(r"[^()\s]*\((\d+)\)")  # UserId=alice(1001)
 _REASON_SUFFIX = re.compile(r"^(?P<text>.*?)\s*\[(?P<user>[^@\]]*)@(?P<time>[^\]]*)\]$")
 
 
@@ -108,8 +109,15 @@ def job_from_scontrol(record: dict[str, str]) -> JobInfo:
         excluded_nodes=tuple(expand(blank(record.get("ExcNodeList", "")))),
         exit_code=record.get("ExitCode", ""),
         requeue=None if requeue is None else requeue == "1",
+        user_id=_owner_uid(record.get("UserId", "")),
         raw=record,
     )
+
+
+def _owner_uid(user_id: str) -> int | None:
+    """`root(0)` -> 0; None for anything else (a field Slurm left out or changed)."""
+    match = _OWNER.fullmatch(user_id)
+    return int(match.group(1)) if match else None
 
 
 def parse_sinfo_nodes(stdout: str) -> dict[str, NodeInfo]:

@@ -14,7 +14,7 @@ import re
 import shlex
 from collections.abc import Mapping, Sequence
 
-from slurmft.slurm.api import SlurmBadRequest
+from slurmft.slurm.api import JobInfo, SlurmBadRequest
 
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,128}$")
 _RUN_ID = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
@@ -51,6 +51,22 @@ def run_id_from_comment(comment: str) -> str | None:
         return None
     run_id = comment.removeprefix(_COMMENT_PREFIX)
     return run_id if _RUN_ID.match(run_id) else None
+
+
+def not_the_runs_job(job: JobInfo, run_id: str, owner_uid: int) -> str | None:
+    """Why Slurm's record of ``job`` says it is not the run's, or None when it is: submitted by
+    the run's owner and tagged with the run's comment. The daemon acts on a job (cancel, requeue,
+    attach) only after this, with its own rights, so no user's claim can point it at another
+    user's job."""
+    if job.user_id is None:
+        return f"Slurm did not say who owns job {job.job_id}"
+    if job.user_id != owner_uid:
+        return f"job {job.job_id} belongs to uid {job.user_id}, the run to uid {owner_uid}"
+    tagged = run_id_from_comment(job.comment)
+    if tagged != run_id:
+        found = f"run {tagged}" if tagged else f"no run (comment {job.comment!r})"
+        return f"job {job.job_id} is tagged with {found}, not run {run_id}"
+    return None
 
 
 def check_node_name(name: str) -> str:

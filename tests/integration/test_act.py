@@ -23,15 +23,25 @@ from slurmft.db.models import (
 )
 from slurmft.db.records import denied_nodes
 from slurmft.db.states import AttemptState, RunState
-from slurmft.slurm.api import SlurmError, SlurmPermissionDenied, SlurmUnreachable
+from slurmft.slurm.api import JobInfo, SlurmError, SlurmPermissionDenied, SlurmUnreachable
+from slurmft.slurm.states import JobState
 
 
 class RecordingSlurm:
-    """Records the calls the executor makes; can fail one operation with a given error."""
+    """Records the calls the executor makes; can fail one operation with a given error. Every
+    job is run r1's (root's, tagged `slurmft-run:r1`) unless ``jobs`` says otherwise: what the
+    executor checks before it cancels or requeues one (as scontrol reports it)."""
 
-    def __init__(self, fail: dict[str, SlurmError] | None = None) -> None:
+    def __init__(
+        self, fail: dict[str, SlurmError] | None = None, jobs: dict[str, JobInfo] | None = None
+    ) -> None:
         self.calls: list[tuple[str, ...]] = []
         self.fail = fail or {}
+        self.jobs = jobs or {}
+
+    def job(self, job_id: str) -> JobInfo:
+        default = JobInfo(job_id, JobState.RUNNING, comment="slurmft-run:r1", user_id=0)
+        return self.jobs.get(job_id, default)
 
     def _call(self, name: str, *args: str) -> None:
         self.calls.append((name, *args))
@@ -130,6 +140,36 @@ def test_requeue_excludes_the_nodes_in_one_client_call(database: Database, run_i
         [v.RequeueJob(run_id, "no spare", job_id="7", exclude=frozenset({"n3", "n1"}))]
     )
     assert slurm.calls == [("requeue", "7", "n1,n3")]
+
+
+def test_a_job_slurm_says_is_not_the_runs_is_never_requeued_or_cancelled(
+    database: Database, run_id: str
+) -> None:
+    """A job id in the store is a claim; Slurm's owner and comment decide before the daemon
+    uses its rights on it (a user who attached another user's job, a stale record)."""
+    others = {
+        "7": JobInfo("7", JobState.RUNNING, comment="slurmft-run:r1", user_id=15002),
+        "8": JobInfo("8", JobState.RUNNING, comment="slurmft-run:r9", user_id=0),
+    }
+    slurm = RecordingSlurm(jobs=others)
+    stop = "crash loop: 5 restarts in a row without progress"
+    outcomes = Executor(database, slurm).execute(  # type: ignore[arg-type]
+        [
+            v.RequeueJob(run_id, "batch host down", job_id="7", exclude=frozenset({"n1"})),
+            v.FinishRun(run_id, stop, state=RunState.STOPPED, job_id="8"),
+        ]
+    )
+    assert slurm.calls == []  # neither job touched
+    assert [o.status for o in outcomes] == [ActionStatus.SKIPPED, ActionStatus.DONE]
+    assert outcomes[0].error == "not touched: job 7 belongs to uid 15002, the run to uid 0"
+    notices = [a for a in _actions(database) if a[0] is ActionKind.NOTIFY]
+    assert len(notices) == 2  # a person is told of each
+    with database.session() as s:
+        run = s.get(Run, run_id)
+        assert run is not None and run.state is RunState.STOPPED
+        assert run.end_reason == (
+            f"{stop} (job 8 not touched: job 8 is tagged with run r9, not run r1)"
+        )
 
 
 def test_restart_workers_waits_in_the_outbox(database: Database, run_id: str) -> None:

@@ -11,11 +11,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from support.slurm_recordings import RecordedCluster
 
 from slurmft.controller.rpc import DaemonUnreachable, RpcError, RpcServer, call
 from slurmft.controller.user_ops import operations
 from slurmft.db import Database
-from slurmft.db.models import Event, EventKind, Run
+from slurmft.db.models import Attempt, Event, EventKind, Run
+from slurmft.slurm.cli_backend import CliSlurmClient
 
 ALICE, BOB = 15001, 15002
 
@@ -32,7 +34,8 @@ def socket_path(database: Database, seed_run: Callable[..., None]) -> Iterator[P
     # Other uids must reach the socket: pytest's own tmp dirs are private to root.
     runtime = Path(tempfile.mkdtemp(prefix="slurmft-rpc-"))
     runtime.chmod(0o755)
-    server = RpcServer(runtime / "slurmft.sock", operations(database)).start()
+    slurm = CliSlurmClient(RecordedCluster(["show_job_running", "show_job_unknown"]))
+    server = RpcServer(runtime / "slurmft.sock", operations(database, slurm=slurm)).start()
     try:
         yield server.path
     finally:
@@ -97,6 +100,41 @@ def test_the_owner_sees_status_and_events_and_can_cancel(
     with database.session() as s:
         run = s.get(Run, "ra")
         assert run is not None and run.cancel_requested_at is not None
+
+
+def _attempts(database: Database, run_id: str) -> list[str | None]:
+    with database.session() as s:
+        return [
+            a.slurm_job_id
+            for a in s.query(Attempt).filter_by(run_id=run_id).order_by(Attempt.number)
+        ]
+
+
+def test_a_job_is_attached_only_to_its_owners_run_that_it_names(
+    socket_path: Path, database: Database, seed_run: Callable[..., None]
+) -> None:
+    """Naming someone else's job would make the daemon cancel or requeue it with its own rights
+    (`slurmft cancel`, a crash-loop stop, a batch-host requeue): Slurm's record decides."""
+    # Job 14 in the recording: UserId=root(0), Comment=slurmft-run:run-0001.
+    seed_run(database, "run-0001", job_id="13", owner_uid=0, owner_name="root")
+    refused = _call_as(ALICE, socket_path, "attach_job", run_id="ra", job_id="14")
+    assert refused == {
+        "error": "job 14 is not run ra's: job 14 belongs to uid 0, the run to uid 15001"
+    }
+    wrong_run = call_error(socket_path, "attach_job", run_id="rb", job_id="14")
+    assert "belongs to uid 0, the run to uid 15002" in wrong_run
+    unknown = call_error(socket_path, "attach_job", run_id="rb", job_id="999999")
+    assert unknown == "Slurm has no job 999999"
+    assert _attempts(database, "ra") == [str(ALICE)] and _attempts(database, "rb") == [str(BOB)]
+    attached = call(socket_path, "attach_job", run_id="run-0001", job_id="14")
+    assert attached == {"run_id": "run-0001", "attempt": 2, "job_id": "14"}
+    assert _attempts(database, "run-0001") == ["13", "14"]
+
+
+def call_error(path: Path, op: str, **args: Any) -> str:
+    with pytest.raises(RpcError) as refused:
+        call(path, op, **args)
+    return str(refused.value)
 
 
 def test_bad_requests_get_clear_errors(socket_path: Path) -> None:

@@ -18,7 +18,7 @@ from slurmft.slurm.parse import (
     parse_squeue,
 )
 from slurmft.slurm.runner import CommandResult
-from slurmft.slurm.script import run_id_from_comment
+from slurmft.slurm.script import not_the_runs_job, run_id_from_comment
 from slurmft.slurm.states import JobState, NodeBase, NodeFlag
 from slurmft.slurm.version import SlurmVersion, parse_version
 
@@ -80,6 +80,7 @@ def test_scontrol_show_job_running(recorded: Recorded) -> None:
     assert job.nodes == ("n1", "n2", "n3") and job.batch_host == "n1"
     assert (job.restarts, job.requeue, job.excluded_nodes) == (0, True, ())
     assert job.comment == "slurmft-run:run-0001"
+    assert job.user_id == 0  # UserId=root(0): the owner, checked before the daemon acts on it
     assert record["AllocNode:Sid"] and record["CPUs/Task"] == "1"  # keys with : and /
     assert record["Power"] == ""
 
@@ -163,3 +164,25 @@ def test_requeued_with_a_node_excluded(recorded: Recorded) -> None:
     assert rerun.state is JobState.RUNNING and rerun.restarts == 2
     assert rerun.excluded_nodes == ("n2",) and "n2" not in rerun.nodes
     assert len(rerun.nodes) == 3
+
+
+def test_a_job_is_the_runs_only_with_its_owner_and_its_comment(recorded: Recorded) -> None:
+    """What the daemon checks before it cancels, requeues or adopts a job for a run."""
+    job = job_from_scontrol(parse_scontrol_records(recorded("show_job_running").stdout)[0])
+    assert not_the_runs_job(job, "run-0001", owner_uid=0) is None
+    assert not_the_runs_job(job, "run-0001", owner_uid=1001) == (
+        "job 14 belongs to uid 0, the run to uid 1001"
+    )
+    assert not_the_runs_job(job, "run-0002", owner_uid=0) == (
+        "job 14 is tagged with run run-0001, not run run-0002"
+    )
+    untagged = job_from_scontrol(
+        {**parse_scontrol_line(recorded("show_job_running").stdout), "Comment": "(null)"}
+    )
+    assert "tagged with no run" in (not_the_runs_job(untagged, "run-0001", owner_uid=0) or "")
+    unknown_owner = job_from_scontrol(
+        {**parse_scontrol_line(recorded("show_job_running").stdout), "UserId": "?"}
+    )
+    assert not_the_runs_job(unknown_owner, "run-0001", owner_uid=0) == (
+        "Slurm did not say who owns job 14"
+    )
