@@ -558,10 +558,12 @@ def load_config(
     config_file: Path | None = None,
     overrides: list[str] | None = None,
     environ: Mapping[str, str] | None = None,
-    system_file: Path = SYSTEM_CONFIG,
+    system_file: Path | None = None,
 ) -> Config:
     """Build the effective configuration from every source, in precedence order."""
     env = os.environ if environ is None else environ
+    # Looked up at call time, not bound at import, so a test can point it elsewhere.
+    system_file = SYSTEM_CONFIG if system_file is None else system_file
     layers: list[tuple[str, dict[str, Any]]] = []
     if system_file.is_file():
         layers.append((str(system_file), read_toml(system_file)))
