@@ -28,7 +28,7 @@ def daemon(
     if log_format is not None:
         cli.overrides.append(f"log.format={log_format}")
     config = cli.config
-    setup_logging(config["log.level"], config["log.format"])
+    setup_logging(config.settings.log.level, config.settings.log.format)
     Daemon(config).run_until_signalled()
 
 

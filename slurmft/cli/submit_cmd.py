@@ -18,6 +18,7 @@ import typer
 
 from slurmft.agent.batch import BatchSpec, job_script, submit_request
 from slurmft.cli.context import echo_json, state
+from slurmft.config import Config
 from slurmft.controller.resubmit import submission_record
 from slurmft.controller.rpc import SOCKET_NAME, call
 from slurmft.controller.spec import RunSpec, SpecError
@@ -122,7 +123,9 @@ def submit(  # noqa: PLR0917 (typer: one parameter per option)
         )
 
 
-def _submit_job(config: Any, spec: RunSpec, created: dict[str, Any]) -> tuple[str, SubmitRequest]:
+def _submit_job(
+    config: Config, spec: RunSpec, created: dict[str, Any]
+) -> tuple[str, SubmitRequest]:
     token_file = _write_token(spec.ckpt_dir, created["token"])
     batch = BatchSpec(
         run_id=created["run_id"],
@@ -132,7 +135,7 @@ def _submit_job(config: Any, spec: RunSpec, created: dict[str, Any]) -> tuple[st
         ckpt_dir=spec.ckpt_dir,
         nproc_per_node=spec.nproc_per_node,
         store_port=0,  # the batch step takes a free port on its node
-        max_restarts_without_progress=config["policy.max_restarts_without_progress"],
+        max_restarts_without_progress=config.settings.policy.max_restarts_without_progress,
         slurmft=_slurmft_executable(),
         token_file=str(token_file),
     )
@@ -147,9 +150,8 @@ def _submit_job(config: Any, spec: RunSpec, created: dict[str, Any]) -> tuple[st
         output=str(Path(spec.ckpt_dir) / TOKEN_DIR / "slurm-%j.out"),
     )
     request = replace(request, script=job_script(batch, env))
-    client = CliSlurmClient(
-        slurm_conf=config["slurm.conf"] or None, timeout_s=config["slurm.command_timeout_s"]
-    )
+    slurm = config.settings.slurm
+    client = CliSlurmClient(slurm_conf=slurm.conf or None, timeout_s=slurm.command_timeout_s)
     return client.submit(request), request
 
 

@@ -72,16 +72,17 @@ class Policy:
 
     @classmethod
     def from_config(cls, config: Config) -> Policy:
+        policy, trust = config.settings.policy, config.settings.trust
         return cls(
-            straggler_threshold=config["policy.straggler_threshold"],
-            straggler_window_s=config["policy.straggler_window_s"],
-            silent_after_s=config["policy.silent_after_s"],
-            unresponsive_after_s=config["policy.unresponsive_after_s"],
+            straggler_threshold=policy.straggler_threshold,
+            straggler_window_s=policy.straggler_window_s,
+            silent_after_s=policy.silent_after_s,
+            unresponsive_after_s=policy.unresponsive_after_s,
             trust=TrustPolicy(
-                drain_gpu_faults=config["trust.drain_gpu_faults"],
-                straggler_drain_after_windows=config["trust.straggler_drain_after_windows"],
-                drains_per_hour=config["trust.drains_per_hour"],
-                max_drained_fraction=config["trust.max_drained_fraction"],
+                drain_gpu_faults=trust.drain_gpu_faults,
+                straggler_drain_after_windows=trust.straggler_drain_after_windows,
+                drains_per_hour=trust.drains_per_hour,
+                max_drained_fraction=trust.max_drained_fraction,
             ),
         )
 

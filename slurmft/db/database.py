@@ -107,8 +107,8 @@ class Database:
     def from_config(cls, config: Config) -> Database:
         return cls(
             config.database_url,
-            busy_timeout_ms=config["database.busy_timeout_ms"],
-            pool_size=config["database.pool_size"],
+            busy_timeout_ms=config.settings.database.busy_timeout_ms,
+            pool_size=config.settings.database.pool_size,
         )
 
     @property

@@ -10,6 +10,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from slurmft.config import Config
 from slurmft.gpu.api import (
     FaultAction,
     GpuFault,
@@ -108,14 +109,14 @@ class GpuProbe:
         return cls(sources)
 
     @classmethod
-    def from_config(cls, config: Any, *, since_monotonic_s: float | None = None) -> GpuProbe:
-        """The probe a node runs, from the ``gpu.*`` settings (a ``slurmft.config.Config``)."""
-        log_file = config["gpu.kernel_log_file"]
+    def from_config(cls, config: Config, *, since_monotonic_s: float | None = None) -> GpuProbe:
+        """The probe a node runs, from the ``gpu.*`` settings."""
+        gpu = config.settings.gpu
         return cls.default(
             since_monotonic_s=since_monotonic_s,
-            kernel_log_file=Path(log_file) if log_file else None,
-            inject=config["gpu.inject"],
-            use_dcgm=config["gpu.dcgm"],
+            kernel_log_file=Path(gpu.kernel_log_file) if gpu.kernel_log_file else None,
+            inject=gpu.inject,
+            use_dcgm=gpu.dcgm,
         )
 
     def start(self) -> None:

@@ -1,12 +1,19 @@
 from __future__ import annotations
 
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
 
 from slurmft.config import (
+    SECTIONS,
     SETTINGS,
+    SETTINGS_BY_KEY,
+    Config,
     ConfigError,
+    LogSection,
+    PolicySection,
+    Settings,
     check_sqlite_location,
     filesystem_type,
     load_config,
@@ -22,19 +29,26 @@ MOUNTINFO = """\
 """
 
 
-def _load(tmp_path: Path, **kwargs: object) -> object:
+def _load(tmp_path: Path, **kwargs: object) -> Config:
     kwargs.setdefault("environ", {})
     kwargs.setdefault("system_file", tmp_path / "absent.toml")
     return load_config(**kwargs)  # type: ignore[arg-type]
 
 
+def _typed_value(config: Config, key: str) -> object:
+    """The value of ``section.name`` as the typed settings hold it."""
+    section, name = key.split(".")
+    return getattr(getattr(config.settings, section), name)
+
+
 def test_defaults_come_from_the_settings_table(tmp_path: Path) -> None:
     config = _load(tmp_path)
     for setting in SETTINGS:
-        assert config[setting.key] == setting.default
+        assert _typed_value(config, setting.key) == setting.default
         assert config.source(setting.key) == "default"
-    assert config["policy.max_restarts_without_progress"] == 5
-    assert config["policy.straggler_threshold"] == pytest.approx(0.2)
+    assert config.settings == Settings()
+    assert config.settings.policy.max_restarts_without_progress == 5
+    assert config.settings.policy.straggler_threshold == pytest.approx(0.2)
 
 
 def test_precedence_system_file_user_file_env_flags(tmp_path: Path) -> None:
@@ -54,14 +68,15 @@ def test_precedence_system_file_user_file_env_flags(tmp_path: Path) -> None:
         },
         overrides=["log.level=INFO"],
     )
-    assert (config["log.format"], config.source("log.format")) == ("json", str(system))
-    assert (config["policy.straggler_window_s"], config.source("policy.straggler_window_s")) == (
+    settings = config.settings
+    assert (settings.log.format, config.source("log.format")) == ("json", str(system))
+    assert (settings.policy.straggler_window_s, config.source("policy.straggler_window_s")) == (
         60.0,
         str(system),
     )
-    assert config["daemon.poll_interval_s"] == 4.0
+    assert settings.daemon.poll_interval_s == 4.0
     assert config.source("daemon.poll_interval_s") == "env SLURMFT_DAEMON_POLL_INTERVAL_S"
-    assert (config["log.level"], config.source("log.level")) == ("INFO", "flag --set")
+    assert (settings.log.level, config.source("log.level")) == ("INFO", "flag --set")
 
 
 def test_explicit_config_file_wins_over_the_environment_variable(tmp_path: Path) -> None:
@@ -70,7 +85,7 @@ def test_explicit_config_file_wins_over_the_environment_variable(tmp_path: Path)
     flag_file = tmp_path / "flag.toml"
     flag_file.write_text('[log]\nlevel = "DEBUG"\n')
     config = _load(tmp_path, config_file=flag_file, environ={"SLURMFT_CONFIG": str(env_file)})
-    assert config["log.level"] == "DEBUG"
+    assert config.settings.log.level == "DEBUG"
 
 
 @pytest.mark.parametrize(
@@ -160,4 +175,69 @@ def test_variables_that_are_not_settings_are_left_alone(tmp_path: Path) -> None:
         "SLURMFT_TEST_POSTGRES_URL": "postgresql://x",
         "SLURMFT_STACKS_DIR": "/tmp/x",
     }
-    assert _load(tmp_path, environ=env)["log.level"] == "INFO"
+    assert _load(tmp_path, environ=env).settings.log.level == "INFO"
+
+
+# --- the typed sections ----------------------------------------------------------------------
+
+
+def test_the_settings_table_is_derived_from_the_sections() -> None:
+    """Every field of every section is one row of SETTINGS, in order, with the field's own
+    default, help and bounds: the table is not written a second time."""
+    fields_in_order = [
+        (f"{name}.{f.name}", f) for name, section in SECTIONS.items() for f in fields(section)
+    ]
+    assert [key for key, _ in fields_in_order] == [s.key for s in SETTINGS]
+    assert list(SECTIONS) == [f.name for f in fields(Settings)]
+    for key, f in fields_in_order:
+        setting = SETTINGS_BY_KEY[key]
+        assert setting.default is f.default
+        assert setting.help is f.metadata["help"]
+        assert (setting.choices, setting.minimum, setting.maximum) == (
+            f.metadata["choices"],
+            f.metadata["minimum"],
+            f.metadata["maximum"],
+        )
+        assert setting.kind is type(f.default)  # the annotation agrees with the default
+
+
+def test_typed_settings_hold_the_effective_values(tmp_path: Path) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text("[trust]\ndrain_gpu_faults = false\n")
+    config = _load(
+        tmp_path,
+        config_file=path,
+        environ={"SLURMFT_AGENT_MAX_RESTARTS": "9"},
+        overrides=["policy.max_restarts_without_progress=7"],
+    )
+    assert config.settings.policy.max_restarts_without_progress == 7
+    assert config.settings.trust.drain_gpu_faults is False
+    assert config.settings.agent.max_restarts == 9
+    for key, value in config.items():
+        assert _typed_value(config, key) == value.value
+
+
+@pytest.mark.parametrize(
+    ("build", "needle"),
+    [
+        (lambda: PolicySection(max_restarts_without_progress=0), "must be at least 1"),
+        (lambda: PolicySection(straggler_threshold=11.0), "must be at most 10.0"),
+        (lambda: PolicySection(max_restarts_without_progress=2.5), "a whole number"),  # type: ignore[arg-type]
+        (lambda: LogSection(format="xml"), "one of text, json"),
+        (lambda: LogSection(level=3), "a string"),  # type: ignore[arg-type]
+    ],
+)
+def test_a_section_built_in_code_is_held_to_the_bounds(build: object, needle: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        build()  # type: ignore[operator]
+    assert needle in str(info.value)
+    assert "Section" in str(info.value)  # the message names where the value came from
+
+
+def test_a_misspelt_key_in_a_file_names_the_key_it_meant(tmp_path: Path) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text("[policy]\nmax_restarts_without_progres = 3\n")
+    with pytest.raises(ConfigError, match=r"Did you mean policy\.max_restarts_without_progress"):
+        _load(tmp_path, config_file=path)
+    with pytest.raises(TypeError, match="max_restarts_without_progres"):
+        PolicySection(max_restarts_without_progres=3)  # type: ignore[call-arg]
