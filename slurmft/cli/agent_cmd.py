@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from slurmft.cli.context import state
-from slurmft.config import ConfigError
+from slurmft.config import ConfigError, PolicySection
 
 if TYPE_CHECKING:
     from slurmft.agent.agent import NodeAgent
@@ -176,7 +176,9 @@ def batch(  # noqa: PLR0917 (typer: one parameter per option)
         str, typer.Option(help="This node's address on the job network; default: its host name's.")
     ] = "",
     nproc_per_node: Annotated[int, typer.Option(help="Worker processes per node.")] = 1,
-    max_restarts_without_progress: Annotated[int, typer.Option(help="The restart budget.")] = 5,
+    max_restarts_without_progress: Annotated[
+        int, typer.Option(help="The restart budget.")
+    ] = PolicySection.max_restarts_without_progress,
     save_timeout_s: Annotated[float, typer.Option(help="Time limit: time to save.")] = 120.0,
     token_file: Annotated[str, typer.Option(help="The run's token for the agents.")] = "",
 ) -> None:

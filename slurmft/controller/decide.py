@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from slurmft.config import Config
+from slurmft.config import Config, PolicySection, TrustSection
 from slurmft.controller.detect import find_hangs, find_stragglers, find_unresponsive
 from slurmft.controller.views import (
     Action,
@@ -45,10 +45,12 @@ from slurmft.gpu.api import FaultAction
 
 @dataclass(frozen=True)
 class TrustPolicy:
-    drain_gpu_faults: bool = True
-    straggler_drain_after_windows: int = 3
-    drains_per_hour: int = 4
-    max_drained_fraction: float = 0.1  # of the partition; at least one drain is always allowed
+    # The defaults are the [trust] section's (slurmft.config): written there only.
+    drain_gpu_faults: bool = TrustSection.drain_gpu_faults
+    straggler_drain_after_windows: int = TrustSection.straggler_drain_after_windows
+    drains_per_hour: int = TrustSection.drains_per_hour
+    # Of the partition; at least one drain is always allowed.
+    max_drained_fraction: float = TrustSection.max_drained_fraction
 
 
 # A straggler window is judged in this many equal buckets; slow in every one of them is what
@@ -58,11 +60,12 @@ STRAGGLER_WINDOW_BUCKETS = 5
 
 @dataclass(frozen=True)
 class Policy:
-    straggler_threshold: float = 0.20
-    straggler_window_s: float = 300.0
+    # The defaults are the [policy] section's (slurmft.config): written there only.
+    straggler_threshold: float = PolicySection.straggler_threshold
+    straggler_window_s: float = PolicySection.straggler_window_s
     straggler_window_buckets: int = STRAGGLER_WINDOW_BUCKETS
-    silent_after_s: float = 30.0
-    unresponsive_after_s: float = 60.0
+    silent_after_s: float = PolicySection.silent_after_s
+    unresponsive_after_s: float = PolicySection.unresponsive_after_s
     trust: TrustPolicy = TrustPolicy()
 
     @property

@@ -217,6 +217,70 @@ def test_typed_settings_hold_the_effective_values(tmp_path: Path) -> None:
         assert _typed_value(config, key) == value.value
 
 
+def test_code_takes_its_defaults_from_the_sections() -> None:
+    """The policy, the agent, its torchrun and the batch step default to the sections' values."""
+    from slurmft.agent.agent import AgentSettings
+    from slurmft.agent.batch import BatchSpec
+    from slurmft.agent.command import TorchrunSpec
+    from slurmft.controller.decide import Policy, TrustPolicy
+
+    defaults = Settings()
+    policy = Policy()
+    assert (
+        policy.straggler_threshold,
+        policy.straggler_window_s,
+        policy.silent_after_s,
+        policy.unresponsive_after_s,
+    ) == (
+        defaults.policy.straggler_threshold,
+        defaults.policy.straggler_window_s,
+        defaults.policy.silent_after_s,
+        defaults.policy.unresponsive_after_s,
+    )
+    trust = defaults.trust
+    assert TrustPolicy() == TrustPolicy(
+        trust.drain_gpu_faults,
+        trust.straggler_drain_after_windows,
+        trust.drains_per_hour,
+        trust.max_drained_fraction,
+    )
+    spec = TorchrunSpec(nodes=2, nproc_per_node=1, rdzv_endpoint="h:1", rdzv_id="r", script=("t",))
+    agent = defaults.agent
+    assert (
+        spec.rdzv_timeout_s,
+        spec.keep_alive_interval_s,
+        spec.keep_alive_max_attempts,
+        spec.max_restarts,
+        spec.wait_list_fix,
+    ) == (
+        agent.rdzv_timeout_s,
+        agent.keep_alive_interval_s,
+        agent.keep_alive_max_attempts,
+        agent.max_restarts,
+        agent.rdzv_wait_list_fix,
+    )
+    settings = AgentSettings(spec=spec, node="n", run_id="r", work_dir=Path("/tmp"))
+    assert (
+        settings.controller_url,
+        settings.report_interval_s,
+        settings.max_buffered,
+        settings.max_clock_skew_s,
+        settings.stop_grace_s,
+        settings.stack_wait_s,
+        settings.gpu_poll_s,
+    ) == (
+        agent.controller_url,
+        agent.report_interval_s,
+        agent.report_buffer_max,
+        agent.max_clock_skew_s,
+        agent.stop_grace_s,
+        agent.stack_dump_wait_s,
+        defaults.gpu.poll_interval_s,
+    )
+    batch = BatchSpec(run_id="r", nodes=2, spares=0, script=("t",), ckpt_dir="/c")
+    assert batch.max_restarts_without_progress == defaults.policy.max_restarts_without_progress
+
+
 @pytest.mark.parametrize(
     ("build", "needle"),
     [
