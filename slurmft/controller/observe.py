@@ -12,6 +12,7 @@ from datetime import datetime, timedelta
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
+from slurmft.config import TrustSection
 from slurmft.controller.detect import RankBeat, RankCompute
 from slurmft.controller.reconcile import reconcile
 from slurmft.controller.step_window import StepWindows
@@ -182,7 +183,7 @@ def gather(
     *,
     now: datetime,
     max_restarts: int,
-    lemon_min_runs: int = 2,
+    lemon_min_runs: int = TrustSection.lemon_min_runs,
     bucket: timedelta = timedelta(minutes=1),
     buckets: int = 5,
     steps: StepWindows | None = None,

@@ -15,6 +15,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
+from slurmft.config import TrustSection
 from slurmft.gpu.xids import APPLICATION_XIDS
 
 
@@ -39,7 +40,7 @@ def judge_lemons(
     history: Iterable[XidOccurrence],
     *,
     now: datetime,
-    min_runs: int = 2,
+    min_runs: int = TrustSection.lemon_min_runs,
     window: timedelta = timedelta(days=14),
     max_nodes_per_run: int = 1,
     xids: frozenset[int] = APPLICATION_XIDS,

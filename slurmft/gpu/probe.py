@@ -10,7 +10,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from slurmft.config import Config
+from slurmft.config import Config, GpuSection
 from slurmft.gpu.api import (
     FaultAction,
     GpuFault,
@@ -91,8 +91,8 @@ class GpuProbe:
         *,
         since_monotonic_s: float | None = None,
         kernel_log_file: Path | None = None,
-        inject: str = "",
-        use_dcgm: bool = True,
+        inject: str = GpuSection.inject,
+        use_dcgm: bool = GpuSection.dcgm,
         nvml: Any = None,
     ) -> GpuProbe:
         """NVML, the kernel log, DCGM (where installed) and injection (where configured)."""
@@ -140,7 +140,7 @@ class GpuProbe:
         return fresh
 
     def watch(self, on_fault: Callable[[GpuFault], None], stop: threading.Event,
-              interval_s: float = 5.0) -> threading.Thread:
+              interval_s: float = GpuSection.poll_interval_s) -> threading.Thread:
         """Call ``on_fault`` for each new fault until ``stop`` is set (a daemon thread)."""
 
         def loop() -> None:
