@@ -106,7 +106,7 @@ class BufferCounters:
 class ReportBuffer:
     """Reports waiting for the next batch, bounded by `max_items` (events exempt)."""
 
-    max_items: int = 10_000
+    max_items: int = AgentSection.report_buffer_max
     heartbeats: deque[RankHeartbeat] = field(default_factory=deque)
     step_times: deque[RankStepTime] = field(default_factory=deque)
     events: deque[AgentEvent] = field(default_factory=deque)
