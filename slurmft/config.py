@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import FrozenInstanceError, dataclass, field, fields
 from pathlib import Path
-from typing import Any, TypeVar, get_type_hints
+from typing import Any, ClassVar, TypeVar, cast, dataclass_transform
 
 from slurmft.errors import SlurmftError
 
@@ -134,9 +134,27 @@ class Setting:
         )
 
 
-# --- the schema: one dataclass per [section] ----------------------------------------------------
+# --- the schema: one frozen dataclass-like class per [section] ----------------------------------
 
 T = TypeVar("T")
+
+
+class _FieldSpec:
+    """What ``setting_field`` leaves in a section's body; the section keeps it and puts the
+    default in its place."""
+
+    __slots__ = ("choices", "default", "help", "maximum", "minimum")
+
+    def __init__(
+        self,
+        default: Any,
+        help: str,
+        choices: tuple[str, ...],
+        minimum: float | None,
+        maximum: float | None,
+    ) -> None:
+        self.default, self.help, self.choices = default, help, choices
+        self.minimum, self.maximum = minimum, maximum
 
 
 def setting_field(
@@ -148,18 +166,53 @@ def setting_field(
     maximum: float | None = None,
 ) -> T:
     """A section's field: the setting's one default, and what its checks and docs say."""
-    metadata = {"help": help, "choices": choices, "minimum": minimum, "maximum": maximum}
-    return field(default=default, metadata=metadata)
+    return cast(T, _FieldSpec(default, help, choices, minimum, maximum))
 
 
-@dataclass(frozen=True)
+# The annotations a setting may have (strings: this module postpones annotations).
+_KINDS: dict[str, type] = {"str": str, "int": int, "float": float, "bool": bool}
+
+
+@dataclass_transform(kw_only_default=True, frozen_default=True, field_specifiers=(setting_field,))
 class Section:
-    """A ``[section]`` of the configuration: one field per key.
+    """A ``[section]`` of the configuration: one field per key, declared as in a frozen
+    dataclass (``name: int = setting_field(5, "What it does.", minimum=1)``); the class
+    attribute is the default, an instance holds effective values, read-only.
 
-    Built in code (a test, a bench) a section holds to the same types and bounds as one read
-    from a file: each value is checked on construction."""
+    Not ``@dataclass``: generating a dataclass's methods compiles code at import, about 1 ms a
+    class, and every slurmft process (each CLI start, each node agent) imports the sections;
+    these share one set of methods. ``dataclass_transform`` has type checkers treat a section as
+    the frozen, keyword-only dataclass it behaves as. Built in code (a test, a bench), a section
+    holds to the same types and bounds as one read from a file: each value is checked."""
 
-    def __post_init__(self) -> None:
+    __section_fields__: ClassVar[dict[str, tuple[type, _FieldSpec]]] = {}
+
+    def __init_subclass__(cls) -> None:
+        super().__init_subclass__()
+        declared: dict[str, tuple[type, _FieldSpec]] = {}
+        for name, annotation in vars(cls).get("__annotations__", {}).items():
+            spec = vars(cls).get(name)
+            kind = _KINDS.get(annotation)
+            if not isinstance(spec, _FieldSpec) or kind is None or type(spec.default) is not kind:
+                raise TypeError(
+                    f"{cls.__name__}.{name}: declare a setting as `{name}: <str, int, float or "
+                    f"bool> = setting_field(<a default of that type>, <help>)`"
+                )
+            declared[name] = (kind, spec)
+            setattr(cls, name, spec.default)
+        cls.__section_fields__ = declared
+
+    def __init__(self, **values: Any) -> None:
+        unknown = sorted(values.keys() - self.__section_fields__.keys())
+        if unknown:
+            raise TypeError(
+                f"{type(self).__name__}() got an unexpected keyword argument {unknown[0]!r}"
+            )
+        for name, (_, spec) in self.__section_fields__.items():
+            object.__setattr__(self, name, values.get(name, spec.default))
+        self._check()
+
+    def _check(self) -> None:
         for setting in SECTION_SETTINGS[type(self)]:
             value = getattr(self, setting.name)
             try:
@@ -167,8 +220,28 @@ class Section:
             except ValueError as exc:
                 raise _bad_value_error(setting, value, type(self).__name__, str(exc)) from None
 
+    def _values(self) -> tuple[Any, ...]:
+        return tuple(getattr(self, name) for name in self.__section_fields__)
 
-@dataclass(frozen=True)
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise FrozenInstanceError(f"cannot assign to field {name!r}")
+
+    def __delattr__(self, name: str) -> None:
+        raise FrozenInstanceError(f"cannot delete field {name!r}")
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Section) or type(other) is not type(self):
+            return NotImplemented
+        return self._values() == other._values()
+
+    def __hash__(self) -> int:
+        return hash((type(self), self._values()))
+
+    def __repr__(self) -> str:
+        values = ", ".join(f"{name}={getattr(self, name)!r}" for name in self.__section_fields__)
+        return f"{type(self).__name__}({values})"
+
+
 class PathsSection(Section):
     """[paths]: where slurmft keeps its state and its socket."""
 
@@ -184,7 +257,6 @@ class PathsSection(Section):
     )
 
 
-@dataclass(frozen=True)
 class DatabaseSection(Section):
     """[database]: the store."""
 
@@ -199,7 +271,6 @@ class DatabaseSection(Section):
     pool_size: int = setting_field(5, "PostgreSQL connection pool size.", minimum=1)
 
 
-@dataclass(frozen=True)
 class LogSection(Section):
     """[log]: the log lines of every slurmft process."""
 
@@ -209,7 +280,6 @@ class LogSection(Section):
     )
 
 
-@dataclass(frozen=True)
 class SlurmSection(Section):
     """[slurm]: how slurmft runs the Slurm commands."""
 
@@ -225,7 +295,6 @@ class SlurmSection(Section):
     )
 
 
-@dataclass(frozen=True)
 class DaemonSection(Section):
     """[daemon]: the daemon's endpoints and main loop."""
 
@@ -255,7 +324,6 @@ class DaemonSection(Section):
     )
 
 
-@dataclass(frozen=True)
 class NotifySection(Section):
     """[notify]: telling a person when one is needed."""
 
@@ -274,7 +342,6 @@ class NotifySection(Section):
     )
 
 
-@dataclass(frozen=True)
 class RetentionSection(Section):
     """[retention]: how long the store keeps fine-grained history."""
 
@@ -297,7 +364,6 @@ class RetentionSection(Section):
     )
 
 
-@dataclass(frozen=True)
 class PolicySection(Section):
     """[policy]: when the controller restarts, flags or stops a run."""
 
@@ -331,7 +397,6 @@ class PolicySection(Section):
     )
 
 
-@dataclass(frozen=True)
 class TrustSection(Section):
     """[trust]: when evidence from one run drains a node in Slurm for everyone."""
 
@@ -365,7 +430,6 @@ class TrustSection(Section):
     )
 
 
-@dataclass(frozen=True)
 class GpuSection(Section):
     """[gpu]: the node's GPU fault probe."""
 
@@ -389,7 +453,6 @@ class GpuSection(Section):
     )
 
 
-@dataclass(frozen=True)
 class AgentSection(Section):
     """[agent]: the node agent and the torchrun it runs."""
 
@@ -471,23 +534,22 @@ class Settings:
 
 
 def _section_classes() -> dict[str, type[Section]]:
-    hints = get_type_hints(Settings)
-    return {f.name: hints[f.name] for f in fields(Settings)}
+    # Each field's factory is its section's class (no need to evaluate the annotations).
+    return {f.name: cast(type[Section], f.default_factory) for f in fields(Settings)}
 
 
 def _settings_of(section_name: str, section: type[Section]) -> tuple[Setting, ...]:
-    kinds = get_type_hints(section)
     return tuple(
         Setting(
-            f"{section_name}.{f.name}",
-            kinds[f.name],
-            f.default,
-            f.metadata["help"],
-            choices=f.metadata["choices"],
-            minimum=f.metadata["minimum"],
-            maximum=f.metadata["maximum"],
+            f"{section_name}.{name}",
+            kind,
+            spec.default,
+            spec.help,
+            choices=spec.choices,
+            minimum=spec.minimum,
+            maximum=spec.maximum,
         )
-        for f in fields(section)
+        for name, (kind, spec) in section.__section_fields__.items()
     )
 
 

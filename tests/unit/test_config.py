@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from dataclasses import fields
+from dataclasses import FrozenInstanceError, fields
 from pathlib import Path
 
 import pytest
@@ -13,11 +13,13 @@ from slurmft.config import (
     ConfigError,
     LogSection,
     PolicySection,
+    Section,
     Settings,
     check_sqlite_location,
     filesystem_type,
     load_config,
     parse_mountinfo,
+    setting_field,
 )
 
 MOUNTINFO = """\
@@ -184,21 +186,41 @@ def test_variables_that_are_not_settings_are_left_alone(tmp_path: Path) -> None:
 def test_the_settings_table_is_derived_from_the_sections() -> None:
     """Every field of every section is one row of SETTINGS, in order, with the field's own
     default, help and bounds: the table is not written a second time."""
-    fields_in_order = [
-        (f"{name}.{f.name}", f) for name, section in SECTIONS.items() for f in fields(section)
+    declared = [
+        (f"{name}.{field}", kind, spec)
+        for name, section in SECTIONS.items()
+        for field, (kind, spec) in section.__section_fields__.items()
     ]
-    assert [key for key, _ in fields_in_order] == [s.key for s in SETTINGS]
+    assert [key for key, _, _ in declared] == [s.key for s in SETTINGS]
     assert list(SECTIONS) == [f.name for f in fields(Settings)]
-    for key, f in fields_in_order:
+    for key, kind, spec in declared:
         setting = SETTINGS_BY_KEY[key]
-        assert setting.default is f.default
-        assert setting.help is f.metadata["help"]
-        assert (setting.choices, setting.minimum, setting.maximum) == (
-            f.metadata["choices"],
-            f.metadata["minimum"],
-            f.metadata["maximum"],
+        assert setting.default is spec.default
+        assert setting.help is spec.help
+        assert (setting.kind, setting.choices, setting.minimum, setting.maximum) == (
+            kind,
+            spec.choices,
+            spec.minimum,
+            spec.maximum,
         )
-        assert setting.kind is type(f.default)  # the annotation agrees with the default
+        section, name = key.split(".")
+        assert getattr(SECTIONS[section], name) is spec.default  # the class attribute
+
+
+def test_a_section_is_a_frozen_value() -> None:
+    policy = PolicySection(max_restarts_without_progress=7)
+    assert policy == PolicySection(max_restarts_without_progress=7) != PolicySection()
+    assert hash(policy) == hash(PolicySection(max_restarts_without_progress=7))
+    assert repr(LogSection()) == "LogSection(level='INFO', format='text')"
+    with pytest.raises(FrozenInstanceError):
+        policy.max_restarts_without_progress = 3  # type: ignore[misc]
+
+
+def test_a_setting_of_another_type_is_refused_where_it_is_declared() -> None:
+    with pytest.raises(TypeError, match="declare a setting as"):
+
+        class _Bad(Section):  # pyright: ignore[reportUnusedClass]
+            retries: int = setting_field(2.5, "A float default for an int.")  # type: ignore[assignment]
 
 
 def test_typed_settings_hold_the_effective_values(tmp_path: Path) -> None:
