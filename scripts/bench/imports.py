@@ -41,9 +41,12 @@ COMMANDS: dict[str, list[str]] = {
 
 
 def environment() -> dict[str, str]:
-    """This checkout first on the path, whatever checkout the interpreter's install points at."""
+    """This checkout first on the path, whatever checkout the interpreter's install points at;
+    bytecode written and read as an installed slurmft has it (PYTHONDONTWRITEBYTECODE would time
+    compiling every changed module at each start)."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
     return env
 
 
