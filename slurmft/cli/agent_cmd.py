@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import logging
 import os
 import signal
-import socket
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -21,8 +18,8 @@ from slurmft.config import ConfigError, PolicySection
 if TYPE_CHECKING:
     from slurmft.agent.agent import NodeAgent
 
-# Each command imports the part of the node side it runs, so that `slurmft --version`, `--help`
-# and the other command groups start without loading the agent.
+# Each command imports the part of the node side it runs (and logging, socket and tempfile), so
+# that `slurmft --version`, `--help` and the other command groups start without loading them.
 
 app = typer.Typer(
     help="Run on compute nodes: the node agent and the rendezvous store.", no_args_is_help=True
@@ -34,11 +31,15 @@ def _default_node_index() -> int:
 
 
 def _default_node_name() -> str:
+    import socket
+
     # Under Slurm every node of the local test cluster has the same host name.
     return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
 
 
 def _setup_logging(node: str, level: str) -> None:
+    import logging
+
     logging.basicConfig(
         level=level,
         format=f"%(asctime)s slurmft agent[{node}] %(levelname)s %(message)s",
@@ -83,6 +84,8 @@ def run(  # noqa: PLR0917 (typer: one parameter per option)
     node = node_name or _default_node_name()
     _setup_logging(node, config.settings.log.level)
     agent_section = config.settings.agent
+    import tempfile
+
     from slurmft.agent.agent import AgentSettings, NodeAgent
     from slurmft.agent.batch import write_step_outcome
     from slurmft.agent.command import TorchrunSpec
@@ -183,6 +186,8 @@ def batch(  # noqa: PLR0917 (typer: one parameter per option)
     token_file: Annotated[str, typer.Option(help="The run's token for the agents.")] = "",
 ) -> None:
     """The batch step: host the store, run and relaunch the agent step, requeue, keep the budget."""
+    import socket
+
     from slurmft.agent.batch import BatchSpec
     from slurmft.agent.batch_step import BatchStep
     from slurmft.slurm.cli_backend import CliSlurmClient
