@@ -5,11 +5,12 @@ by ``SLURMFT_CONFIG`` (or ``--config``) < ``SLURMFT_<SECTION>_<KEY>`` environmen
 command-line ``--set section.key=value``. Every effective value remembers where it came from so
 ``slurmft config show`` can say why a value is what it is.
 
-The schema is one frozen dataclass per ``[section]`` below (``PolicySection``, ...), gathered in
-``Settings``: adding a setting is one field there, its default written nowhere else. The
-``SETTINGS`` table (environment variable names, validation, ``slurmft config show``) and the
+The schema is one frozen, dataclass-like class per ``[section]`` below (``PolicySection``, ...),
+gathered in ``Settings``: adding a setting is one field there, its default written nowhere else.
+The ``SETTINGS`` table (environment variable names, validation, ``slurmft config show``) and the
 docs' config reference are derived from those fields; code reads the values typed, as
-``config.settings.policy.max_restarts_without_progress``.
+``config.settings.policy.max_restarts_without_progress``, and code that needs a setting's
+default names the field (``PolicySection.max_restarts_without_progress``).
 """
 
 from __future__ import annotations
@@ -173,7 +174,7 @@ def setting_field(
 _KINDS: dict[str, type] = {"str": str, "int": int, "float": float, "bool": bool}
 
 
-@dataclass_transform(kw_only_default=True, frozen_default=True, field_specifiers=(setting_field,))
+@dataclass_transform(kw_only_default=True, frozen_default=True)
 class Section:
     """A ``[section]`` of the configuration: one field per key, declared as in a frozen
     dataclass (``name: int = setting_field(5, "What it does.", minimum=1)``); the class
@@ -618,7 +619,7 @@ def _typed_settings(values: Mapping[str, Value]) -> Settings:
         name: section(**{s.name: values[s.key].value for s in SECTION_SETTINGS[section]})
         for name, section in SECTIONS.items()
     }
-    return Settings(**sections)
+    return Settings(**cast(dict[str, Any], sections))
 
 
 def _unknown_key_error(key: str, where: str) -> ConfigError:
