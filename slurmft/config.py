@@ -16,10 +16,10 @@ default names the field (``PolicySection.max_restarts_without_progress``).
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping
-from dataclasses import FrozenInstanceError, dataclass, field, fields
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import FrozenInstanceError
 from pathlib import Path
-from typing import Any, ClassVar, TypeVar, cast, dataclass_transform
+from typing import Any, ClassVar, NamedTuple, TypeVar, cast, dataclass_transform
 
 from slurmft.errors import SlurmftError
 
@@ -73,8 +73,7 @@ def _parse_bool(raw: str) -> bool:
     raise ValueError("expected true or false")
 
 
-@dataclass(frozen=True)
-class Setting:
+class Setting(NamedTuple):
     """One configuration key: its type, default and meaning."""
 
     key: str  # "section.name"
@@ -87,7 +86,7 @@ class Setting:
 
     @property
     def name(self) -> str:
-        """The key within its section: the section dataclass's field."""
+        """The key within its section: the section's field."""
         return self.key.split(".", 1)[1]
 
     @property
@@ -174,8 +173,37 @@ def setting_field(
 _KINDS: dict[str, type] = {"str": str, "int": int, "float": float, "bool": bool}
 
 
+class _Frozen:
+    """Read-only attributes, and equality, hash and repr by the attributes ``_names`` lists:
+    what a frozen dataclass generates, shared by ``Section`` and ``Settings``."""
+
+    def _names(self) -> Iterable[str]:
+        raise NotImplementedError
+
+    def _values(self) -> tuple[Any, ...]:
+        return tuple(getattr(self, name) for name in self._names())
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise FrozenInstanceError(f"cannot assign to field {name!r}")
+
+    def __delattr__(self, name: str) -> None:
+        raise FrozenInstanceError(f"cannot delete field {name!r}")
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, _Frozen) or type(other) is not type(self):
+            return NotImplemented
+        return self._values() == other._values()
+
+    def __hash__(self) -> int:
+        return hash((type(self), self._values()))
+
+    def __repr__(self) -> str:
+        values = ", ".join(f"{name}={getattr(self, name)!r}" for name in self._names())
+        return f"{type(self).__name__}({values})"
+
+
 @dataclass_transform(kw_only_default=True, frozen_default=True)
-class Section:
+class Section(_Frozen):
     """A ``[section]`` of the configuration: one field per key, declared as in a frozen
     dataclass (``name: int = setting_field(5, "What it does.", minimum=1)``); the class
     attribute is the default, an instance holds effective values, read-only.
@@ -221,26 +249,8 @@ class Section:
             except ValueError as exc:
                 raise _bad_value_error(setting, value, type(self).__name__, str(exc)) from None
 
-    def _values(self) -> tuple[Any, ...]:
-        return tuple(getattr(self, name) for name in self.__section_fields__)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        raise FrozenInstanceError(f"cannot assign to field {name!r}")
-
-    def __delattr__(self, name: str) -> None:
-        raise FrozenInstanceError(f"cannot delete field {name!r}")
-
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, Section) or type(other) is not type(self):
-            return NotImplemented
-        return self._values() == other._values()
-
-    def __hash__(self) -> int:
-        return hash((type(self), self._values()))
-
-    def __repr__(self) -> str:
-        values = ", ".join(f"{name}={getattr(self, name)!r}" for name in self.__section_fields__)
-        return f"{type(self).__name__}({values})"
+    def _names(self) -> Iterable[str]:
+        return self.__section_fields__
 
 
 class PathsSection(Section):
@@ -516,27 +526,37 @@ class AgentSection(Section):
     )
 
 
-@dataclass(frozen=True)
-class Settings:
-    """Every section, typed. The field names are the sections' names in the config file, in
-    ``SLURMFT_<SECTION>_<KEY>`` and in ``--set section.key=value``."""
+class Settings(_Frozen):
+    """Every section, typed. The attribute names are the sections' names in the config file, in
+    ``SLURMFT_<SECTION>_<KEY>`` and in ``--set section.key=value``; a section not given has its
+    defaults."""
 
-    paths: PathsSection = field(default_factory=PathsSection)
-    database: DatabaseSection = field(default_factory=DatabaseSection)
-    log: LogSection = field(default_factory=LogSection)
-    slurm: SlurmSection = field(default_factory=SlurmSection)
-    daemon: DaemonSection = field(default_factory=DaemonSection)
-    notify: NotifySection = field(default_factory=NotifySection)
-    retention: RetentionSection = field(default_factory=RetentionSection)
-    policy: PolicySection = field(default_factory=PolicySection)
-    trust: TrustSection = field(default_factory=TrustSection)
-    gpu: GpuSection = field(default_factory=GpuSection)
-    agent: AgentSection = field(default_factory=AgentSection)
+    paths: PathsSection
+    database: DatabaseSection
+    log: LogSection
+    slurm: SlurmSection
+    daemon: DaemonSection
+    notify: NotifySection
+    retention: RetentionSection
+    policy: PolicySection
+    trust: TrustSection
+    gpu: GpuSection
+    agent: AgentSection
+
+    def __init__(self, **sections: Section) -> None:
+        unknown = sorted(sections.keys() - SECTIONS.keys())
+        if unknown:
+            raise TypeError(f"Settings() got an unexpected keyword argument {unknown[0]!r}")
+        for name, section in SECTIONS.items():
+            object.__setattr__(self, name, sections[name] if name in sections else section())
+
+    def _names(self) -> Iterable[str]:
+        return SECTIONS
 
 
 def _section_classes() -> dict[str, type[Section]]:
-    # Each field's factory is its section's class (no need to evaluate the annotations).
-    return {f.name: cast(type[Section], f.default_factory) for f in fields(Settings)}
+    # Each annotation is the name of its section's class, defined above in this module.
+    return {name: globals()[annotation] for name, annotation in Settings.__annotations__.items()}
 
 
 def _settings_of(section_name: str, section: type[Section]) -> tuple[Setting, ...]:
@@ -564,8 +584,7 @@ SETTINGS: tuple[Setting, ...] = tuple(s for rows in SECTION_SETTINGS.values() fo
 SETTINGS_BY_KEY: dict[str, Setting] = {s.key: s for s in SETTINGS}
 
 
-@dataclass(frozen=True)
-class Value:
+class Value(NamedTuple):
     """An effective setting and the source it came from."""
 
     value: Any
@@ -619,7 +638,7 @@ def _typed_settings(values: Mapping[str, Value]) -> Settings:
         name: section(**{s.name: values[s.key].value for s in SECTION_SETTINGS[section]})
         for name, section in SECTIONS.items()
     }
-    return Settings(**cast(dict[str, Any], sections))
+    return Settings(**sections)
 
 
 def _unknown_key_error(key: str, where: str) -> ConfigError:

@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from dataclasses import FrozenInstanceError, fields
+from dataclasses import FrozenInstanceError
 from pathlib import Path
 
 import pytest
@@ -192,7 +192,7 @@ def test_the_settings_table_is_derived_from_the_sections() -> None:
         for field, (kind, spec) in section.__section_fields__.items()
     ]
     assert [key for key, _, _ in declared] == [s.key for s in SETTINGS]
-    assert list(SECTIONS) == [f.name for f in fields(Settings)]
+    assert list(SECTIONS) == list(Settings.__annotations__)
     for key, kind, spec in declared:
         setting = SETTINGS_BY_KEY[key]
         assert setting.default is spec.default
@@ -212,8 +212,15 @@ def test_a_section_is_a_frozen_value() -> None:
     assert policy == PolicySection(max_restarts_without_progress=7) != PolicySection()
     assert hash(policy) == hash(PolicySection(max_restarts_without_progress=7))
     assert repr(LogSection()) == "LogSection(level='INFO', format='text')"
+    settings = Settings(policy=policy)
+    assert settings.policy is policy and settings.trust == Settings().trust
+    assert settings != Settings() and hash(settings) == hash(Settings(policy=policy))
+    with pytest.raises(TypeError, match="'polcy'"):
+        Settings(polcy=policy)
     with pytest.raises(FrozenInstanceError):
         policy.max_restarts_without_progress = 3  # type: ignore[misc]
+    with pytest.raises(FrozenInstanceError):
+        settings.policy = policy
 
 
 def test_a_setting_of_another_type_is_refused_where_it_is_declared() -> None:
