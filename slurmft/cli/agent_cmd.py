@@ -83,7 +83,6 @@ def run(  # noqa: PLR0917 (typer: one parameter per option)
     index = _default_node_index() if node_index is None else node_index
     node = node_name or _default_node_name()
     _setup_logging(node, config.settings.log.level)
-    agent_section = config.settings.agent
     import tempfile
 
     from slurmft.agent.agent import AgentSettings, NodeAgent
@@ -92,6 +91,7 @@ def run(  # noqa: PLR0917 (typer: one parameter per option)
     from slurmft.agent.probe import NodeGpuProbe
     from slurmft.gpu.probe import GpuProbe
 
+    agent_section = config.settings.agent
     spec = TorchrunSpec(
         nodes=nodes,
         nproc_per_node=nproc_per_node,
