@@ -5,20 +5,23 @@ by ``SLURMFT_CONFIG`` (or ``--config``) < ``SLURMFT_<SECTION>_<KEY>`` environmen
 command-line ``--set section.key=value``. Every effective value remembers where it came from so
 ``slurmft config show`` can say why a value is what it is.
 
-The schema is the ``SETTINGS`` table below: adding a setting is one line there, and the docs'
-config reference is generated from it.
+The schema is one frozen, dataclass-like class per ``[section]`` below (``PolicySection``, ...),
+gathered in ``Settings``: adding a setting is one field there, its default written nowhere else.
+The ``SETTINGS`` table (environment variable names, validation, ``slurmft config show``) and the
+docs' config reference are derived from those fields; code reads the values typed, as
+``config.settings.policy.max_restarts_without_progress``, and code that needs a setting's
+default names the field (``PolicySection.max_restarts_without_progress``).
 """
 
 from __future__ import annotations
 
-import difflib
 import os
-import tomllib
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import FrozenInstanceError
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar, NamedTuple, TypeVar, cast, dataclass_transform
 
+from slurmft.core.defaults import MAX_RESTARTS_WITHOUT_PROGRESS
 from slurmft.errors import SlurmftError
 
 SYSTEM_CONFIG = Path("/etc/slurmft/slurmft.toml")
@@ -71,8 +74,7 @@ def _parse_bool(raw: str) -> bool:
     raise ValueError("expected true or false")
 
 
-@dataclass(frozen=True)
-class Setting:
+class Setting(NamedTuple):
     """One configuration key: its type, default and meaning."""
 
     key: str  # "section.name"
@@ -82,6 +84,11 @@ class Setting:
     choices: tuple[str, ...] = ()
     minimum: float | None = None
     maximum: float | None = None
+
+    @property
+    def name(self) -> str:
+        """The key within its section: the section's field."""
+        return self.key.split(".", 1)[1]
 
     @property
     def env_var(self) -> str:
@@ -128,331 +135,457 @@ class Setting:
         )
 
 
-SETTINGS: tuple[Setting, ...] = (
-    Setting(
-        "paths.state_dir",
-        str,
+# --- the schema: one frozen dataclass-like class per [section] ----------------------------------
+
+T = TypeVar("T")
+
+
+class _FieldSpec:
+    """What ``setting_field`` leaves in a section's body; the section keeps it and puts the
+    default in its place."""
+
+    __slots__ = ("choices", "default", "help", "maximum", "minimum")
+
+    def __init__(
+        self,
+        default: Any,
+        help: str,
+        choices: tuple[str, ...],
+        minimum: float | None,
+        maximum: float | None,
+    ) -> None:
+        self.default, self.help, self.choices = default, help, choices
+        self.minimum, self.maximum = minimum, maximum
+
+
+def setting_field(
+    default: T,
+    help: str,
+    *,
+    choices: tuple[str, ...] = (),
+    minimum: float | None = None,
+    maximum: float | None = None,
+) -> T:
+    """A section's field: the setting's one default, and what its checks and docs say."""
+    return cast(T, _FieldSpec(default, help, choices, minimum, maximum))
+
+
+# The annotations a setting may have (strings: this module postpones annotations).
+_KINDS: dict[str, type] = {"str": str, "int": int, "float": float, "bool": bool}
+
+
+class _Frozen:
+    """Read-only attributes, and equality, hash and repr by the attributes ``_names`` lists:
+    what a frozen dataclass generates, shared by ``Section`` and ``Settings``."""
+
+    def _names(self) -> Iterable[str]:
+        raise NotImplementedError
+
+    def _values(self) -> tuple[Any, ...]:
+        return tuple(getattr(self, name) for name in self._names())
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise FrozenInstanceError(f"cannot assign to field {name!r}")
+
+    def __delattr__(self, name: str) -> None:
+        raise FrozenInstanceError(f"cannot delete field {name!r}")
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, _Frozen) or type(other) is not type(self):
+            return NotImplemented
+        return self._values() == other._values()
+
+    def __hash__(self) -> int:
+        return hash((type(self), self._values()))
+
+    def __repr__(self) -> str:
+        values = ", ".join(f"{name}={getattr(self, name)!r}" for name in self._names())
+        return f"{type(self).__name__}({values})"
+
+
+@dataclass_transform(kw_only_default=True, frozen_default=True)
+class Section(_Frozen):
+    """A ``[section]`` of the configuration: one field per key, declared as in a frozen
+    dataclass (``name: int = setting_field(5, "What it does.", minimum=1)``); the class
+    attribute is the default, an instance holds effective values, read-only.
+
+    Not ``@dataclass``: generating a dataclass's methods compiles code at import, about 1 ms a
+    class, and every slurmft process (each CLI start, each node agent) imports the sections;
+    these share one set of methods. ``dataclass_transform`` has type checkers treat a section as
+    the frozen, keyword-only dataclass it behaves as. Built in code (a test, a bench), a section
+    holds to the same types and bounds as one read from a file: each value is checked."""
+
+    __section_fields__: ClassVar[dict[str, tuple[type, _FieldSpec]]] = {}
+
+    def __init_subclass__(cls) -> None:
+        super().__init_subclass__()
+        declared: dict[str, tuple[type, _FieldSpec]] = {}
+        for name, annotation in vars(cls).get("__annotations__", {}).items():
+            spec = vars(cls).get(name)
+            kind = _KINDS.get(annotation)
+            if not isinstance(spec, _FieldSpec) or kind is None or type(spec.default) is not kind:
+                raise TypeError(
+                    f"{cls.__name__}.{name}: declare a setting as `{name}: <str, int, float or "
+                    f"bool> = setting_field(<a default of that type>, <help>)`"
+                )
+            declared[name] = (kind, spec)
+            setattr(cls, name, spec.default)
+        cls.__section_fields__ = declared
+
+    def __init__(self, **values: Any) -> None:
+        unknown = sorted(values.keys() - self.__section_fields__.keys())
+        if unknown:
+            raise TypeError(
+                f"{type(self).__name__}() got an unexpected keyword argument {unknown[0]!r}"
+            )
+        for name, (_, spec) in self.__section_fields__.items():
+            object.__setattr__(self, name, values.get(name, spec.default))
+        self._check()
+
+    def _check(self) -> None:
+        for setting in SECTION_SETTINGS[type(self)]:
+            value = getattr(self, setting.name)
+            try:
+                setting.coerce(value)
+            except ValueError as exc:
+                raise _bad_value_error(setting, value, type(self).__name__, str(exc)) from None
+
+    def _names(self) -> Iterable[str]:
+        return self.__section_fields__
+
+
+class PathsSection(Section):
+    """[paths]: where slurmft keeps its state and its socket."""
+
+    state_dir: str = setting_field(
         "",
         "Directory for the SQLite store and daemon state. Empty: /var/lib/slurmft for root, "
         "$XDG_STATE_HOME/slurmft (~/.local/state/slurmft) otherwise. Must be on local disk.",
-    ),
-    Setting(
-        "paths.runtime_dir",
-        str,
+    )
+    runtime_dir: str = setting_field(
         "",
         "Directory for the CLI's unix socket. Empty: /run/slurmft for root, "
         "$XDG_RUNTIME_DIR/slurmft (or the state directory) otherwise.",
-    ),
-    Setting(
-        "database.url",
-        str,
+    )
+
+
+class DatabaseSection(Section):
+    """[database]: the store."""
+
+    url: str = setting_field(
         "",
         "SQLAlchemy URL of the store. Empty: a SQLite file slurmft.db in the state directory. "
         "PostgreSQL: postgresql://user@host/db (driven by psycopg 3).",
-    ),
-    Setting(
-        "database.busy_timeout_ms",
-        int,
-        5000,
-        "SQLite: how long a writer waits for a lock before failing.",
-        minimum=0,
-    ),
-    Setting("database.pool_size", int, 5, "PostgreSQL connection pool size.", minimum=1),
-    Setting("log.level", str, "INFO", "Log level.", choices=("DEBUG", "INFO", "WARNING", "ERROR")),
-    Setting(
-        "log.format",
-        str,
-        "text",
-        "Log line format: text (journald-friendly) or json.",
-        choices=("text", "json"),
-    ),
-    Setting(
-        "slurm.conf",
-        str,
+    )
+    busy_timeout_ms: int = setting_field(
+        5000, "SQLite: how long a writer waits for a lock before failing.", minimum=0
+    )
+    pool_size: int = setting_field(5, "PostgreSQL connection pool size.", minimum=1)
+
+
+class LogSection(Section):
+    """[log]: the log lines of every slurmft process."""
+
+    level: str = setting_field("INFO", "Log level.", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    format: str = setting_field(
+        "text", "Log line format: text (journald-friendly) or json.", choices=("text", "json")
+    )
+
+
+class SlurmSection(Section):
+    """[slurm]: how slurmft runs the Slurm commands."""
+
+    conf: str = setting_field(
         "",
         "Path to slurm.conf for the Slurm commands. Empty: Slurm's own default (SLURM_CONF or "
         "/etc/slurm/slurm.conf).",
-    ),
-    Setting(
-        "slurm.command_timeout_s",
-        float,
+    )
+    command_timeout_s: float = setting_field(
         30.0,
         "Timeout of one Slurm command; past it the call fails as 'Slurm unreachable'.",
         minimum=1.0,
-    ),
-    Setting(
-        "daemon.agents_url",
-        str,
+    )
+
+
+class DaemonSection(Section):
+    """[daemon]: the daemon's endpoints and main loop."""
+
+    agents_url: str = setting_field(
         "",
         "The URL agents on compute nodes report to, e.g. http://login1:8787. Empty: the ingest "
         "endpoint as bound (daemon.ingest_listen), which suits a single machine.",
-    ),
-    Setting(
-        "daemon.ingest_listen",
-        str,
-        "127.0.0.1:8787",
-        "host:port where the daemon receives agent reports over HTTP.",
-    ),
-    Setting(
-        "daemon.metrics_listen",
-        str,
-        "127.0.0.1:9787",
-        "host:port of the Prometheus /metrics and /healthz endpoint.",
-    ),
-    Setting(
-        "daemon.poll_interval_s",
-        float,
+    )
+    ingest_listen: str = setting_field(
+        "127.0.0.1:8787", "host:port where the daemon receives agent reports over HTTP."
+    )
+    metrics_listen: str = setting_field(
+        "127.0.0.1:9787", "host:port of the Prometheus /metrics and /healthz endpoint."
+    )
+    poll_interval_s: float = setting_field(
         5.0,
         "How often the daemon queries Slurm for all tracked jobs (one batched call).",
         minimum=0.5,
-    ),
-    Setting(
-        "daemon.observe_only", bool, False, "Decide and record actions but execute none of them."
-    ),
-    Setting(
-        "daemon.stuck_after_passes",
-        int,
+    )
+    observe_only: bool = setting_field(False, "Decide and record actions but execute none of them.")
+    stuck_after_passes: int = setting_field(
         24,
         "The main loop counts as stuck when no control pass has ended for this many poll "
         "intervals: /healthz fails and the systemd watchdog pings stop (systemd then restarts "
         "the daemon). Keep it above the Slurm calls of one slow pass (slurm.command_timeout_s).",
         minimum=2,
-    ),
-    Setting(
-        "notify.webhook_url",
-        str,
+    )
+
+
+class NotifySection(Section):
+    """[notify]: telling a person when one is needed."""
+
+    webhook_url: str = setting_field(
         "",
         "When a person is needed (a run stopped at the crash cap, spares exhausted, a drain "
         "refused, a resubmission waiting for its owner), POST a JSON message here; its `text` "
         "field suits Slack/Mattermost-style incoming webhooks. Empty: only `slurmft status` "
         "shows it. Undelivered messages wait in the store and are retried in order.",
-    ),
-    Setting(
-        "notify.webhook_timeout_s",
-        float,
-        5.0,
-        "How long one webhook POST may take before it is retried later.",
-        minimum=0.1,
-    ),
-    Setting(
-        "notify.webhook_interval_s",
-        float,
-        10.0,
-        "How often waiting webhook messages are sent.",
-        minimum=0.5,
-    ),
-    Setting(
-        "retention.step_times_raw_hours",
-        float,
+    )
+    webhook_timeout_s: float = setting_field(
+        5.0, "How long one webhook POST may take before it is retried later.", minimum=0.1
+    )
+    webhook_interval_s: float = setting_field(
+        10.0, "How often waiting webhook messages are sent.", minimum=0.5
+    )
+
+
+class RetentionSection(Section):
+    """[retention]: how long the store keeps fine-grained history."""
+
+    step_times_raw_hours: float = setting_field(
         6.0,
         "Raw per-step times are kept this long, then folded into per-rank per-minute "
         "aggregates (kept for good).",
         minimum=0.0,
-    ),
-    Setting(
-        "retention.heartbeat_history_hours",
-        float,
+    )
+    heartbeat_history_hours: float = setting_field(
         24.0,
         "Sampled heartbeat history is kept this long; the latest heartbeat per rank is "
         "always kept.",
         minimum=0.0,
-    ),
-    Setting(
-        "retention.heartbeat_sample_s",
-        float,
+    )
+    heartbeat_sample_s: float = setting_field(
         60.0,
         "At most one heartbeat per rank per this many seconds goes into the history.",
         minimum=0.0,
-    ),
-    Setting(
-        "policy.max_restarts_without_progress",
-        int,
-        5,
+    )
+
+
+class PolicySection(Section):
+    """[policy]: when the controller restarts, flags or stops a run."""
+
+    max_restarts_without_progress: int = setting_field(
+        MAX_RESTARTS_WITHOUT_PROGRESS,  # the budget's own (slurmft.core.defaults)
         "Stop a run after this many restarts in a row without a newer verified checkpoint.",
         minimum=1,
-    ),
-    Setting(
-        "policy.straggler_threshold",
-        float,
+    )
+    straggler_threshold: float = setting_field(
         0.20,
         "A rank whose own compute time exceeds the median of its peers by more than this "
         "fraction, sustained over the window, is a straggler.",
         minimum=0.01,
         maximum=10.0,
-    ),
-    Setting(
-        "policy.straggler_window_s",
-        float,
-        300.0,
-        "How long a straggler margin must be sustained before it is flagged.",
-        minimum=1.0,
-    ),
-    Setting(
-        "policy.silent_after_s",
-        float,
+    )
+    straggler_window_s: float = setting_field(
+        300.0, "How long a straggler margin must be sustained before it is flagged.", minimum=1.0
+    )
+    silent_after_s: float = setting_field(
         30.0,
         "A rank whose heartbeats stop this long while its peers' still arrive is frozen (a "
         "hang); all ranks silent together is a report-channel problem, never a hang.",
         minimum=1.0,
-    ),
-    Setting(
-        "policy.unresponsive_after_s",
-        float,
+    )
+    unresponsive_after_s: float = setting_field(
         60.0,
         "A node whose agent stops reporting this long while the run's other agents report is "
         "unresponsive: out of the run, drained (within the drain limits) and set DOWN, which "
         "evicts it from a --no-kill job. Agents report at least every 2 s (a keep-alive).",
         minimum=5.0,
-    ),
-    Setting(
-        "trust.drain_gpu_faults",
-        bool,
+    )
+
+
+class TrustSection(Section):
+    """[trust]: when evidence from one run drains a node in Slurm for everyone."""
+
+    drain_gpu_faults: bool = setting_field(
         True,
         "Drain a node in Slurm (for everyone) on a drain-class GPU fault. Off: the node only "
         "leaves the run that saw the fault.",
-    ),
-    Setting(
-        "trust.straggler_drain_after_windows",
-        int,
+    )
+    straggler_drain_after_windows: int = setting_field(
         3,
         "Drain a straggler node only after it was flagged in this many windows; before that it "
         "only leaves the run.",
         minimum=1,
-    ),
-    Setting(
-        "trust.lemon_min_runs",
-        int,
+    )
+    lemon_min_runs: int = setting_field(
         2,
         "Restart-class Xids (13, 31, 43) make a node a lemon only when they repeat on it in this "
         "many different runs.",
         minimum=2,
-    ),
-    Setting(
-        "trust.drains_per_hour",
-        int,
+    )
+    drains_per_hour: int = setting_field(
         4,
         "At most this many drains per hour; past it a drain becomes a notice to a human.",
         minimum=0,
-    ),
-    Setting(
-        "trust.max_drained_fraction",
-        float,
+    )
+    max_drained_fraction: float = setting_field(
         0.1,
         "Never drain past this fraction of the partition (at least one drain is allowed).",
         minimum=0.0,
         maximum=1.0,
-    ),
-    Setting(
-        "gpu.poll_interval_s",
-        float,
+    )
+
+
+class GpuSection(Section):
+    """[gpu]: the node's GPU fault probe."""
+
+    poll_interval_s: float = setting_field(
         5.0,
         "How often a node's GPU probe looks for new faults (NVML counters, kernel-log Xids, "
         "DCGM, injection). NVML Xid events arrive on their own thread in between.",
         minimum=0.5,
-    ),
-    Setting(
-        "gpu.kernel_log_file",
-        str,
+    )
+    kernel_log_file: str = setting_field(
         "",
         "Read kernel-log Xid lines from this file instead of /dev/kmsg or dmesg: for sites "
         "with kernel.dmesg_restrict=1, where a root prolog or HealthCheckProgram writes what "
         "it sees (see docs/gpu.md). Empty: the ring buffer.",
-    ),
-    Setting("gpu.dcgm", bool, True, "Ask DCGM (`dcgmi health -c -j`) where it is installed."),
-    Setting(
-        "gpu.inject",
-        str,
+    )
+    dcgm: bool = setting_field(True, "Ask DCGM (`dcgmi health -c -j`) where it is installed.")
+    inject: str = setting_field(
         "",
         "Fault injection for tests and drills: a file of faults, or the faults themselves "
         "('xid=79,gpu=3;kind=ecc_uncorrected,gpu=1'). Empty: none. See docs/gpu.md.",
-    ),
-    Setting(
-        "agent.controller_url",
-        str,
+    )
+
+
+class AgentSection(Section):
+    """[agent]: the node agent and the torchrun it runs."""
+
+    controller_url: str = setting_field(
         "",
         "Base URL where agents send rank reports (the daemon's ingest, http://host:port). "
         "Empty: agents report nothing and skip the clock check.",
-    ),
-    Setting(
-        "agent.rdzv_timeout_s",
-        int,
+    )
+    rdzv_timeout_s: int = setting_field(
         600,
         "torchrun rendezvous join timeout: how long agents wait for all N nodes to join a round "
         "when no spare is left.",
         minimum=1,
-    ),
-    Setting(
-        "agent.keep_alive_interval_s",
-        int,
+    )
+    keep_alive_interval_s: int = setting_field(
         1,
         "Rendezvous keep-alive interval. A node is dead after interval x attempts without one.",
         minimum=1,
-    ),
-    Setting(
-        "agent.keep_alive_max_attempts",
-        int,
+    )
+    keep_alive_max_attempts: int = setting_field(
         4,
         "Missed keep-alives before a node counts as dead. Below 3, live nodes get removed "
         "(heartbeats land up to two intervals apart); expiry compares wall clocks across nodes.",
         minimum=3,
-    ),
-    Setting(
-        "agent.max_restarts",
-        int,
+    )
+    max_restarts: int = setting_field(
         1_000_000,
         "torchrun --max-restarts. High on purpose: every peer-node loss costs each survivor one "
         "restart; slurmft's own budget (policy.max_restarts_without_progress) stops crash loops.",
         minimum=0,
-    ),
-    Setting(
-        "agent.rdzv_wait_list_fix",
-        bool,
+    )
+    rdzv_wait_list_fix: bool = setting_field(
         True,
         "Apply the fix for torch's wait-list restart loop (needed for hot spares). Turn off only "
         "to reproduce the defect.",
-    ),
-    Setting(
-        "agent.report_interval_s",
-        float,
-        1.0,
-        "How often an agent sends a batch of rank reports (events go at once).",
-        minimum=0.05,
-    ),
-    Setting(
-        "agent.report_buffer_max",
-        int,
+    )
+    report_interval_s: float = setting_field(
+        1.0, "How often an agent sends a batch of rank reports (events go at once).", minimum=0.05
+    )
+    report_buffer_max: int = setting_field(
         10_000,
         "Reports an agent keeps while the controller is away; past it the oldest heartbeats, "
         "then step times are dropped (events never).",
         minimum=100,
-    ),
-    Setting(
-        "agent.max_clock_skew_s",
-        float,
+    )
+    max_clock_skew_s: float = setting_field(
         1.0,
         "Clock difference to the controller above which preflight reports a skew event.",
         minimum=0.0,
-    ),
-    Setting(
-        "agent.stop_grace_s",
-        float,
+    )
+    stop_grace_s: float = setting_field(
         15.0,
         "How long an agent that leaves waits for torchrun to stop its workers before killing them.",
         minimum=0.0,
-    ),
-    Setting(
-        "agent.stack_dump_wait_s",
-        float,
+    )
+    stack_dump_wait_s: float = setting_field(
         3.0,
         "How long an agent waits for a hung worker's stack dump before killing it.",
         minimum=0.1,
-    ),
-)
+    )
+
+
+class Settings(_Frozen):
+    """Every section, typed. The attribute names are the sections' names in the config file, in
+    ``SLURMFT_<SECTION>_<KEY>`` and in ``--set section.key=value``; a section not given has its
+    defaults."""
+
+    paths: PathsSection
+    database: DatabaseSection
+    log: LogSection
+    slurm: SlurmSection
+    daemon: DaemonSection
+    notify: NotifySection
+    retention: RetentionSection
+    policy: PolicySection
+    trust: TrustSection
+    gpu: GpuSection
+    agent: AgentSection
+
+    def __init__(self, **sections: Section) -> None:
+        unknown = sorted(sections.keys() - SECTIONS.keys())
+        if unknown:
+            raise TypeError(f"Settings() got an unexpected keyword argument {unknown[0]!r}")
+        for name, section in SECTIONS.items():
+            object.__setattr__(self, name, sections[name] if name in sections else section())
+
+    def _names(self) -> Iterable[str]:
+        return SECTIONS
+
+
+def _section_classes() -> dict[str, type[Section]]:
+    # Each annotation is the name of its section's class, defined above in this module.
+    return {name: globals()[annotation] for name, annotation in Settings.__annotations__.items()}
+
+
+def _settings_of(section_name: str, section: type[Section]) -> tuple[Setting, ...]:
+    return tuple(
+        Setting(
+            f"{section_name}.{name}",
+            kind,
+            spec.default,
+            spec.help,
+            choices=spec.choices,
+            minimum=spec.minimum,
+            maximum=spec.maximum,
+        )
+        for name, (kind, spec) in section.__section_fields__.items()
+    )
+
+
+SECTIONS: dict[str, type[Section]] = _section_classes()
+SECTION_SETTINGS: dict[type[Section], tuple[Setting, ...]] = {
+    section: _settings_of(name, section) for name, section in SECTIONS.items()
+}
+# The table by key, in the sections' order: what the environment, files, `--set`,
+# `slurmft config show` and the reference go by.
+SETTINGS: tuple[Setting, ...] = tuple(s for rows in SECTION_SETTINGS.values() for s in rows)
 SETTINGS_BY_KEY: dict[str, Setting] = {s.key: s for s in SETTINGS}
 
 
-@dataclass(frozen=True)
-class Value:
+class Value(NamedTuple):
     """An effective setting and the source it came from."""
 
     value: Any
@@ -460,13 +593,11 @@ class Value:
 
 
 class Config:
-    """Effective configuration: typed lookup by key, plus where each value came from."""
+    """Effective configuration: the typed ``settings``, plus where each value came from."""
 
     def __init__(self, values: Mapping[str, Value]) -> None:
         self._values = dict(values)
-
-    def __getitem__(self, key: str) -> Any:
-        return self._values[key].value
+        self.settings = _typed_settings(self._values)
 
     def source(self, key: str) -> str:
         return self._values[key].source
@@ -476,7 +607,7 @@ class Config:
 
     @property
     def state_dir(self) -> Path:
-        configured = self["paths.state_dir"]
+        configured = self.settings.paths.state_dir
         if configured:
             return Path(configured).expanduser()
         if os.geteuid() == 0:
@@ -486,7 +617,7 @@ class Config:
 
     @property
     def runtime_dir(self) -> Path:
-        configured = self["paths.runtime_dir"]
+        configured = self.settings.paths.runtime_dir
         if configured:
             return Path(configured).expanduser()
         if os.geteuid() == 0:
@@ -497,13 +628,23 @@ class Config:
     @property
     def database_url(self) -> str:
         """The store's URL; the default SQLite file lives in the state directory."""
-        return self["database.url"] or f"sqlite:///{self.state_dir / 'slurmft.db'}"
+        return self.settings.database.url or f"sqlite:///{self.state_dir / 'slurmft.db'}"
 
     def as_dict(self) -> dict[str, dict[str, Any]]:
         return {key: {"value": v.value, "source": v.source} for key, v in self.items()}
 
 
+def _typed_settings(values: Mapping[str, Value]) -> Settings:
+    sections = {
+        name: section(**{s.name: values[s.key].value for s in SECTION_SETTINGS[section]})
+        for name, section in SECTIONS.items()
+    }
+    return Settings(**sections)
+
+
 def _unknown_key_error(key: str, where: str) -> ConfigError:
+    import difflib  # only to explain a typo: the node agent imports this module
+
     close = difflib.get_close_matches(key, SETTINGS_BY_KEY, n=1)
     hint = f" Did you mean {close[0]}?" if close else " See `slurmft config show` for all keys."
     return ConfigError(f"unknown setting {key!r} in {where}.{hint}")
@@ -531,6 +672,8 @@ def _flatten_toml(data: Mapping[str, Any], where: str) -> dict[str, Any]:
 
 def read_toml(path: Path) -> dict[str, Any]:
     """Read one config file into flat ``section.key`` entries, failing with the file's name."""
+    import tomllib  # only where a file is read: the node agent imports this module for defaults
+
     try:
         with path.open("rb") as fh:
             data = tomllib.load(fh)
@@ -558,10 +701,12 @@ def load_config(
     config_file: Path | None = None,
     overrides: list[str] | None = None,
     environ: Mapping[str, str] | None = None,
-    system_file: Path = SYSTEM_CONFIG,
+    system_file: Path | None = None,
 ) -> Config:
     """Build the effective configuration from every source, in precedence order."""
     env = os.environ if environ is None else environ
+    # Looked up at call time, not bound at import, so a test can point it elsewhere.
+    system_file = SYSTEM_CONFIG if system_file is None else system_file
     layers: list[tuple[str, dict[str, Any]]] = []
     if system_file.is_file():
         layers.append((str(system_file), read_toml(system_file)))
@@ -587,6 +732,8 @@ def _refuse_misspelt_variables(env: Mapping[str, str]) -> None:
     sections = {ENV_PREFIX + s.key.split(".")[0].upper() + "_" for s in SETTINGS}
     for name in sorted(env):
         if name not in known and any(name.startswith(prefix) for prefix in sections):
+            import difflib  # only to explain a typo: the node agent imports this module
+
             close = difflib.get_close_matches(name, [s.env_var for s in SETTINGS], n=1)
             hint = f" Did you mean {close[0]}?" if close else " See `slurmft config show`."
             raise ConfigError(f"unknown environment variable {name}.{hint}")

@@ -12,6 +12,8 @@ import os
 import sys
 from datetime import UTC, datetime
 
+from slurmft.config import LogSection
+
 _CONTEXT = ("run_id", "node")
 
 
@@ -45,7 +47,7 @@ class TextFormatter(logging.Formatter):
         return f"{line} [{context}]" if context else line
 
 
-def setup_logging(level: str = "INFO", fmt: str = "text") -> None:
+def setup_logging(level: str = LogSection.level, fmt: str = LogSection.format) -> None:
     handler = logging.StreamHandler(sys.stderr)
     if fmt == "json":
         handler.setFormatter(JsonFormatter())

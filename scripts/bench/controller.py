@@ -389,7 +389,7 @@ def one_tick(
     """What the daemon does in one poll interval: the agents' batches, then its control pass
     (Daemon.control_pass: gather -> decide -> execute, in the same calls)."""
     tick = Tick()
-    sample_every = timedelta(seconds=config["retention.heartbeat_sample_s"])
+    sample_every = timedelta(seconds=config.settings.retention.heartbeat_sample_s)
     committer = GroupCommitter(database, clock=lambda: now, sample_every=sample_every)
     with tick.phase("ingest"):
         committer.start()
@@ -405,8 +405,8 @@ def one_tick(
             session,
             slurm,
             now=now,
-            max_restarts=config["policy.max_restarts_without_progress"],
-            lemon_min_runs=config["trust.lemon_min_runs"],
+            max_restarts=config.settings.policy.max_restarts_without_progress,
+            lemon_min_runs=config.settings.trust.lemon_min_runs,
             steps=steps,
         )
     assert tick.view.slurm_reachable
@@ -532,8 +532,8 @@ def main(argv: list[str] | None = None) -> int:
         runs=args.runs,
         spares=args.spares,
         step_s=args.step_s,
-        tick_s=config["daemon.poll_interval_s"],
-        window_s=config["policy.straggler_window_s"],
+        tick_s=config.settings.daemon.poll_interval_s,
+        window_s=config.settings.policy.straggler_window_s,
         silent_after_s=policy.silent_after_s,
     )
     with tempfile.TemporaryDirectory(prefix="slurmft-bench-") as tmp:

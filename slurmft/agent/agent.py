@@ -32,6 +32,7 @@ from slurmft.agent.probe import NoGpuProbe, Probe
 from slurmft.agent.procs import is_alive, kill_tree
 from slurmft.agent.reporter import HttpTransport, Reporter, RetryableError
 from slurmft.agent.sightings import SightingLog
+from slurmft.config import AgentSection, GpuSection
 from slurmft.core.budget import Seen, named_round, round_key
 from slurmft.core.kinds import EventKind, FaultClass
 from slurmft.protocol import AgentEvent, Command, CommandKind, RankHeartbeat
@@ -51,14 +52,16 @@ class AgentSettings:
     node: str
     run_id: str
     work_dir: Path  # node-local; short, because it holds the unix socket
-    controller_url: str = ""
+    # The [agent] and [gpu] sections' defaults (slurmft.config); `slurmft agent run` passes the
+    # effective values.
+    controller_url: str = AgentSection.controller_url
     token: str = ""
-    report_interval_s: float = 1.0
-    max_buffered: int = 10_000
-    max_clock_skew_s: float = 1.0
-    stop_grace_s: float = 15.0
-    stack_wait_s: float = 3.0
-    gpu_poll_s: float = 5.0
+    report_interval_s: float = AgentSection.report_interval_s
+    max_buffered: int = AgentSection.report_buffer_max
+    max_clock_skew_s: float = AgentSection.max_clock_skew_s
+    stop_grace_s: float = AgentSection.stop_grace_s
+    stack_wait_s: float = AgentSection.stack_dump_wait_s
+    gpu_poll_s: float = GpuSection.poll_interval_s
     python: str = sys.executable
     step_dir: str = ""  # the batch step's folder for this agent step (outcome, sightings)
 

@@ -24,12 +24,8 @@ from enum import IntEnum
 from pathlib import Path
 from typing import Any
 
-from slurmft.core.budget import (
-    DEFAULT_MAX_RESTARTS_WITHOUT_PROGRESS,
-    Restart,
-    RestartBudget,
-    progress_label,
-)
+from slurmft.config import PolicySection
+from slurmft.core.budget import Restart, RestartBudget, progress_label
 from slurmft.core.kinds import FaultClass
 from slurmft.slurm.api import NodeInfo, SubmitRequest
 from slurmft.slurm.hostlist import compress
@@ -50,7 +46,7 @@ class BatchSpec:
     ckpt_dir: str  # progress is a newer checkpoint here; the budget lives here across requeues
     store_port: int = 29400
     nproc_per_node: int = 1
-    max_restarts_without_progress: int = DEFAULT_MAX_RESTARTS_WITHOUT_PROGRESS
+    max_restarts_without_progress: int = PolicySection.max_restarts_without_progress
     save_timeout_s: float = 120.0  # time limit: how long ranks get to save before the requeue
     slurmft: str = "slurmft"  # the slurmft executable on the compute nodes
     token_file: str = ""

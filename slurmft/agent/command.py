@@ -23,6 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from slurmft.agent.rdzv_fix import TORCH_POLL_S
+from slurmft.config import AgentSection
 
 LAUNCHER_MODULE = "slurmft.agent.launcher"
 
@@ -60,7 +61,6 @@ STACKS_DIR_ENV = "SLURMFT_STACKS_DIR"
 # Touching this file asks every rank for a coordinated save at the next step boundary.
 SAVE_REQUEST_FILE_ENV = "SLURMFT_SAVE_REQUEST_FILE"
 
-DEFAULT_MAX_RESTARTS = 1_000_000
 FASTEST_RDZV_POLL_S = 0.1
 # Nodes whose agents, polling at torch's own 1 s, put the most polling the store is to carry.
 RDZV_POLL_NODES_AT_TORCH_RATE = 40
@@ -82,12 +82,14 @@ class TorchrunSpec:
     rdzv_endpoint: str  # host:port of the standalone store
     rdzv_id: str
     script: tuple[str, ...]
-    rdzv_timeout_s: int = 600
-    keep_alive_interval_s: int = 1
-    keep_alive_max_attempts: int = 4
-    max_restarts: int = DEFAULT_MAX_RESTARTS
+    # The [agent] section's defaults (slurmft.config); `slurmft agent run` passes the effective
+    # values.
+    rdzv_timeout_s: int = AgentSection.rdzv_timeout_s
+    keep_alive_interval_s: int = AgentSection.keep_alive_interval_s
+    keep_alive_max_attempts: int = AgentSection.keep_alive_max_attempts
+    max_restarts: int = AgentSection.max_restarts
     local_addr: str = ""
-    wait_list_fix: bool = True
+    wait_list_fix: bool = AgentSection.rdzv_wait_list_fix
     # An agent beyond the first N: without the wait-list fix it must not join at all.
     spare_candidate: bool = False
     rdzv_poll_s: float | None = None  # None: default_rdzv_poll_s(nodes)

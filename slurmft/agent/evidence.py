@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from slurmft.agent.procs import signal_pids
+from slurmft.config import AgentSection
 from slurmft.train.stacks import DEFAULT_SIGNAL, stack_file_path
 
 # How much of each dump goes into the event; the whole file stays in the stacks directory.
@@ -42,7 +43,10 @@ def _size(path: Path) -> int:
 
 
 def dump_stacks(
-    pids_by_rank: dict[int, int], stacks_dir: Path, wait_s: float = 3.0, settle_s: float = 0.2
+    pids_by_rank: dict[int, int],
+    stacks_dir: Path,
+    wait_s: float = AgentSection.stack_dump_wait_s,
+    settle_s: float = 0.2,
 ) -> list[StackDump]:
     """Ask every worker for its stacks; returns within about `wait_s`."""
     paths = {rank: stack_file_path(rank, pid, stacks_dir) for rank, pid in pids_by_rank.items()}

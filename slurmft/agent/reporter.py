@@ -27,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
+from slurmft.config import AgentSection
 from slurmft.protocol import (
     BATCH_PATH,
     CONTENT_TYPE,
@@ -105,7 +106,7 @@ class BufferCounters:
 class ReportBuffer:
     """Reports waiting for the next batch, bounded by `max_items` (events exempt)."""
 
-    max_items: int = 10_000
+    max_items: int = AgentSection.report_buffer_max
     heartbeats: deque[RankHeartbeat] = field(default_factory=deque)
     step_times: deque[RankStepTime] = field(default_factory=deque)
     events: deque[AgentEvent] = field(default_factory=deque)
@@ -167,8 +168,8 @@ class Reporter:
         run_id: str,
         node: str,
         on_command: Callable[[Command], None],
-        interval_s: float = 1.0,
-        max_buffered: int = 10_000,
+        interval_s: float = AgentSection.report_interval_s,
+        max_buffered: int = AgentSection.report_buffer_max,
         max_batch_items: int = 5_000,
         backoff_cap_s: float = 30.0,
         keepalive_s: float = 2.0,

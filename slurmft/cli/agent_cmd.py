@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import logging
 import os
 import signal
-import socket
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -16,13 +13,13 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from slurmft.cli.context import state
-from slurmft.config import ConfigError
+from slurmft.config import ConfigError, PolicySection
 
 if TYPE_CHECKING:
     from slurmft.agent.agent import NodeAgent
 
-# Each command imports the part of the node side it runs, so that `slurmft --version`, `--help`
-# and the other command groups start without loading the agent.
+# Each command imports the part of the node side it runs (and logging, socket and tempfile), so
+# that `slurmft --version`, `--help` and the other command groups start without loading them.
 
 app = typer.Typer(
     help="Run on compute nodes: the node agent and the rendezvous store.", no_args_is_help=True
@@ -34,11 +31,15 @@ def _default_node_index() -> int:
 
 
 def _default_node_name() -> str:
+    import socket
+
     # Under Slurm every node of the local test cluster has the same host name.
     return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
 
 
 def _setup_logging(node: str, level: str) -> None:
+    import logging
+
     logging.basicConfig(
         level=level,
         format=f"%(asctime)s slurmft agent[{node}] %(levelname)s %(message)s",
@@ -81,25 +82,28 @@ def run(  # noqa: PLR0917 (typer: one parameter per option)
         raise ConfigError("no training script: add `-- train.py [args]` or `-- -m pkg.train`")
     index = _default_node_index() if node_index is None else node_index
     node = node_name or _default_node_name()
-    _setup_logging(node, config["log.level"])
+    _setup_logging(node, config.settings.log.level)
+    import tempfile
+
     from slurmft.agent.agent import AgentSettings, NodeAgent
     from slurmft.agent.batch import write_step_outcome
     from slurmft.agent.command import TorchrunSpec
     from slurmft.agent.probe import NodeGpuProbe
     from slurmft.gpu.probe import GpuProbe
 
+    agent_section = config.settings.agent
     spec = TorchrunSpec(
         nodes=nodes,
         nproc_per_node=nproc_per_node,
         rdzv_endpoint=rdzv_endpoint,
         rdzv_id=run_id,
         script=script,
-        rdzv_timeout_s=config["agent.rdzv_timeout_s"],
-        keep_alive_interval_s=config["agent.keep_alive_interval_s"],
-        keep_alive_max_attempts=config["agent.keep_alive_max_attempts"],
-        max_restarts=config["agent.max_restarts"],
+        rdzv_timeout_s=agent_section.rdzv_timeout_s,
+        keep_alive_interval_s=agent_section.keep_alive_interval_s,
+        keep_alive_max_attempts=agent_section.keep_alive_max_attempts,
+        max_restarts=agent_section.max_restarts,
         local_addr=local_addr,
-        wait_list_fix=config["agent.rdzv_wait_list_fix"],
+        wait_list_fix=agent_section.rdzv_wait_list_fix,
         spare_candidate=index >= nodes,
     )
     token = token_file.read_text().strip() if token_file else ""
@@ -108,14 +112,14 @@ def run(  # noqa: PLR0917 (typer: one parameter per option)
         node=node,
         run_id=run_id,
         work_dir=work_dir or Path(tempfile.mkdtemp(prefix="slurmft-agent-")),
-        controller_url=config["agent.controller_url"],
+        controller_url=agent_section.controller_url,
         token=token,
-        report_interval_s=config["agent.report_interval_s"],
-        max_buffered=config["agent.report_buffer_max"],
-        max_clock_skew_s=config["agent.max_clock_skew_s"],
-        stop_grace_s=config["agent.stop_grace_s"],
-        stack_wait_s=config["agent.stack_dump_wait_s"],
-        gpu_poll_s=config["gpu.poll_interval_s"],
+        report_interval_s=agent_section.report_interval_s,
+        max_buffered=agent_section.report_buffer_max,
+        max_clock_skew_s=agent_section.max_clock_skew_s,
+        stop_grace_s=agent_section.stop_grace_s,
+        stack_wait_s=agent_section.stack_dump_wait_s,
+        gpu_poll_s=config.settings.gpu.poll_interval_s,
         step_dir=outcome_dir,
     )
     gpu = GpuProbe.from_config(config, since_monotonic_s=time.monotonic())
@@ -146,7 +150,7 @@ def store(
     port: Annotated[int, typer.Option(help="TCP port of the rendezvous store.")],
 ) -> None:
     """Host the standalone rendezvous store and restart it when it dies or stops answering."""
-    _setup_logging(host, state(ctx).config["log.level"])
+    _setup_logging(host, state(ctx).config.settings.log.level)
     stopped = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stopped.set())
@@ -175,17 +179,21 @@ def batch(  # noqa: PLR0917 (typer: one parameter per option)
         str, typer.Option(help="This node's address on the job network; default: its host name's.")
     ] = "",
     nproc_per_node: Annotated[int, typer.Option(help="Worker processes per node.")] = 1,
-    max_restarts_without_progress: Annotated[int, typer.Option(help="The restart budget.")] = 5,
+    max_restarts_without_progress: Annotated[
+        int, typer.Option(help="The restart budget.")
+    ] = PolicySection.max_restarts_without_progress,
     save_timeout_s: Annotated[float, typer.Option(help="Time limit: time to save.")] = 120.0,
     token_file: Annotated[str, typer.Option(help="The run's token for the agents.")] = "",
 ) -> None:
     """The batch step: host the store, run and relaunch the agent step, requeue, keep the budget."""
+    import socket
+
     from slurmft.agent.batch import BatchSpec
     from slurmft.agent.batch_step import BatchStep
     from slurmft.slurm.cli_backend import CliSlurmClient
 
     config = state(ctx).config
-    _setup_logging("batch", config["log.level"])
+    _setup_logging("batch", config.settings.log.level)
     spec = BatchSpec(
         run_id=run_id,
         nodes=nodes,
@@ -202,9 +210,8 @@ def batch(  # noqa: PLR0917 (typer: one parameter per option)
     job_id = os.environ.get("SLURM_JOB_ID", "")
     if not job_id:
         raise ConfigError("`slurmft agent batch` runs inside a Slurm batch job (no SLURM_JOB_ID)")
-    client = CliSlurmClient(
-        slurm_conf=config["slurm.conf"] or None, timeout_s=config["slurm.command_timeout_s"]
-    )
+    slurm = config.settings.slurm
+    client = CliSlurmClient(slurm_conf=slurm.conf or None, timeout_s=slurm.command_timeout_s)
     host = store_host or socket.gethostbyname(socket.gethostname())
     step = BatchStep(spec, client, job_id, host)
     signal.signal(signal.SIGUSR1, lambda *_: step.request_save_and_requeue())

@@ -7,7 +7,6 @@ from typing import Annotated
 import typer
 
 from slurmft.cli.context import echo_json, state
-from slurmft.config import reference_markdown
 
 app = typer.Typer(help="Inspect the effective configuration.", no_args_is_help=True)
 
@@ -44,4 +43,6 @@ def _redacted_url(url: str) -> str:
 @app.command("reference")
 def reference() -> None:
     """Print the reference of every setting as Markdown (the source of docs/config.md)."""
+    from slurmft.config import reference_markdown
+
     typer.echo(reference_markdown(), nl=False)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -44,4 +43,6 @@ def state(ctx: typer.Context) -> CliState:
 
 
 def echo_json(data: Any) -> None:
+    import json  # by the commands that print JSON, not by every `slurmft` start
+
     typer.echo(json.dumps(data, indent=2, sort_keys=True, default=str))

@@ -7,7 +7,6 @@ from typing import Annotated
 import typer
 
 from slurmft.cli.context import state
-from slurmft.logs import setup_logging
 
 
 def daemon(
@@ -21,6 +20,7 @@ def daemon(
 ) -> None:
     """Run the controller: watch Slurm and the agents, and recover runs, until SIGTERM."""
     from slurmft.controller.daemon import Daemon
+    from slurmft.logs import setup_logging
 
     cli = state(ctx)
     if observe_only:
@@ -28,7 +28,7 @@ def daemon(
     if log_format is not None:
         cli.overrides.append(f"log.format={log_format}")
     config = cli.config
-    setup_logging(config["log.level"], config["log.format"])
+    setup_logging(config.settings.log.level, config.settings.log.format)
     Daemon(config).run_until_signalled()
 
 

@@ -45,7 +45,7 @@ def report(
     from slurmft.report.plot import render  # matplotlib only when a picture is asked for
 
     target = out or Path(f"{run_id}-steps.png")
-    render(picture, target, threshold=cli.config["policy.straggler_threshold"])
+    render(picture, target, threshold=cli.config.settings.policy.straggler_threshold)
     flagged = ", ".join(str(r) for r in picture.flagged_ranks) or "none"
     slowest = max(picture.slowdown.items(), key=lambda item: item[1], default=None)
     typer.echo(

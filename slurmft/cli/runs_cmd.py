@@ -11,13 +11,16 @@ from typing import Annotated, Any
 import typer
 
 from slurmft.cli.context import echo_json, state
-from slurmft.controller.rpc import SOCKET_NAME, call
 
 JSON = Annotated[bool, typer.Option("--json", help="Machine-readable output.")]
 RUN = Annotated[str, typer.Argument(help="Run id (see `slurmft runs`).")]
 
 
 def _ask(ctx: typer.Context, op: str, **args: Any) -> Any:
+    # The socket client (and its socketserver) is loaded by a command that asks, not by every
+    # `slurmft` start.
+    from slurmft.controller.rpc import SOCKET_NAME, call
+
     return call(state(ctx).config.runtime_dir / SOCKET_NAME, op, **args)
 
 

@@ -12,18 +12,19 @@ import shutil
 import sys
 from dataclasses import replace
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from slurmft.agent.batch import BatchSpec, job_script, submit_request
 from slurmft.cli.context import echo_json, state
-from slurmft.controller.resubmit import submission_record
-from slurmft.controller.rpc import SOCKET_NAME, call
-from slurmft.controller.spec import RunSpec, SpecError
-from slurmft.slurm import CliSlurmClient, SlurmError
-from slurmft.slurm.api import SubmitRequest
-from slurmft.slurm.script import job_name_for
+
+if TYPE_CHECKING:
+    from slurmft.config import Config
+    from slurmft.controller.spec import RunSpec
+    from slurmft.slurm.api import SubmitRequest
+
+# The batch script, the run spec and the Slurm client are loaded when a run is submitted, not
+# by every `slurmft` start that builds this command's options.
 
 TOKEN_DIR = ".slurmft"
 
@@ -48,6 +49,8 @@ def _write_token(ckpt_dir: str, token: str) -> Path:
 
 
 def _spec_from(spec_file: Path | None, script: list[str], options: dict[str, Any]) -> RunSpec:
+    from slurmft.controller.spec import RunSpec, SpecError
+
     if spec_file is not None:
         data = RunSpec.from_toml(spec_file).to_dict()
         data |= {k: v for k, v in options.items() if v is not None}
@@ -91,6 +94,10 @@ def submit(  # noqa: PLR0917 (typer: one parameter per option)
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
 ) -> None:
     """Submit a training run: `slurmft submit --nodes 3 --ckpt-dir /shared/ck -- train.py`."""
+    from slurmft.controller.resubmit import submission_record
+    from slurmft.controller.rpc import SOCKET_NAME, call
+    from slurmft.slurm import SlurmError
+
     options = {
         "nodes": nodes,
         "spares": spares,
@@ -126,7 +133,13 @@ def submit(  # noqa: PLR0917 (typer: one parameter per option)
         )
 
 
-def _submit_job(config: Any, spec: RunSpec, created: dict[str, Any]) -> tuple[str, SubmitRequest]:
+def _submit_job(
+    config: Config, spec: RunSpec, created: dict[str, Any]
+) -> tuple[str, SubmitRequest]:
+    from slurmft.agent.batch import BatchSpec, job_script, submit_request
+    from slurmft.slurm import CliSlurmClient
+    from slurmft.slurm.script import job_name_for
+
     token_file = _write_token(spec.ckpt_dir, created["token"])
     batch = BatchSpec(
         run_id=created["run_id"],
@@ -136,7 +149,7 @@ def _submit_job(config: Any, spec: RunSpec, created: dict[str, Any]) -> tuple[st
         ckpt_dir=spec.ckpt_dir,
         nproc_per_node=spec.nproc_per_node,
         store_port=0,  # the batch step takes a free port on its node
-        max_restarts_without_progress=config["policy.max_restarts_without_progress"],
+        max_restarts_without_progress=config.settings.policy.max_restarts_without_progress,
         slurmft=_slurmft_executable(),
         token_file=str(token_file),
     )
@@ -151,9 +164,8 @@ def _submit_job(config: Any, spec: RunSpec, created: dict[str, Any]) -> tuple[st
         output=str(Path(spec.ckpt_dir) / TOKEN_DIR / "slurm-%j.out"),
     )
     request = replace(request, script=job_script(batch, env))
-    client = CliSlurmClient(
-        slurm_conf=config["slurm.conf"] or None, timeout_s=config["slurm.command_timeout_s"]
-    )
+    slurm = config.settings.slurm
+    client = CliSlurmClient(slurm_conf=slurm.conf or None, timeout_s=slurm.command_timeout_s)
     return client.submit(request), request
 
 

@@ -94,30 +94,31 @@ class Daemon:
         notifier: Notifier | None = None,
     ) -> None:
         self.config = config
+        settings = self.settings = config.settings
         self.database = database or Database.from_config(config)
         self.metrics = DaemonMetrics(self.database)
-        conf = config["slurm.conf"]
+        conf = settings.slurm.conf
         self.slurm = slurm or CliSlurmClient(
             TimedRunner(SubprocessRunner({"SLURM_CONF": conf} if conf else None), self.metrics),
-            timeout_s=config["slurm.command_timeout_s"],
+            timeout_s=settings.slurm.command_timeout_s,
         )
         self.policy = Policy.from_config(config)
         self.executor = Executor(
             self.database,
             self.slurm,
-            observe_only=config["daemon.observe_only"],
+            observe_only=settings.daemon.observe_only,
             # A job that cannot be requeued is submitted again as the run's owner: as root
             # or as that very user; any other daemon records "waiting for the owner".
             submit_attempt=OwnerSubmitter(
-                slurm_conf=conf or None, timeout_s=config["slurm.command_timeout_s"]
+                slurm_conf=conf or None, timeout_s=settings.slurm.command_timeout_s
             ),
-            webhook=bool(config["notify.webhook_url"]),
+            webhook=bool(settings.notify.webhook_url),
         )
         self.webhook = (
             WebhookOutbox(
-                self.database, config["notify.webhook_url"], config["notify.webhook_timeout_s"]
+                self.database, settings.notify.webhook_url, settings.notify.webhook_timeout_s
             )
-            if config["notify.webhook_url"]
+            if settings.notify.webhook_url
             else None
         )
         self.clock = clock
@@ -127,8 +128,8 @@ class Daemon:
         self.last_pass_at: datetime | None = None
         self.skipped_because: str | None = None  # why the last pass decided nothing
         self.notifier = notifier or Notifier()
-        interval = config["daemon.poll_interval_s"]
-        self.liveness = LoopLiveness(config["daemon.stuck_after_passes"] * interval)
+        interval = settings.daemon.poll_interval_s
+        self.liveness = LoopLiveness(settings.daemon.stuck_after_passes * interval)
         self._loop_stuck_logged = False
         self._stopped = threading.Event()
         self._scheduler = BackgroundScheduler(
@@ -206,7 +207,7 @@ class Daemon:
             log.warning("main loop running again")
             self._loop_stuck_logged = False
         if self.passes and not self.notifier.ready_sent:
-            self.notifier.ready(f"watching Slurm every {self.config['daemon.poll_interval_s']:g}s")
+            self.notifier.ready(f"watching Slurm every {self.settings.daemon.poll_interval_s:g}s")
             log.info("ready: schema at head, first Slurm poll succeeded")
         elif self.skipped_because and not self.notifier.ready_sent:
             self.notifier.status(f"waiting for {self.skipped_because} before READY")
@@ -230,8 +231,8 @@ class Daemon:
 
     def retention_pass(self) -> None:
         now = self.clock()
-        raw_window = timedelta(hours=self.config["retention.step_times_raw_hours"])
-        samples_window = timedelta(hours=self.config["retention.heartbeat_history_hours"])
+        raw_window = timedelta(hours=self.settings.retention.step_times_raw_hours)
+        samples_window = timedelta(hours=self.settings.retention.heartbeat_history_hours)
         try:
             with self.database.session() as session:
                 folded = fold_step_times(session, now - raw_window)
@@ -261,12 +262,12 @@ class Daemon:
         """Check the schema, open the endpoints, schedule the jobs. Refuses an old schema."""
         self.database.require_current()
         tune_collector()
-        host, port = _host_port(self.config["daemon.ingest_listen"], "daemon.ingest_listen")
+        host, port = _host_port(self.settings.daemon.ingest_listen, "daemon.ingest_listen")
         self._ingest = IngestServer(
             self.database,
             host,
             port,
-            sample_every=timedelta(seconds=self.config["retention.heartbeat_sample_s"]),
+            sample_every=timedelta(seconds=self.settings.retention.heartbeat_sample_s),
             clock=self.clock,
             observe=self.metrics.observe_ingest,
         ).start()
@@ -274,11 +275,11 @@ class Daemon:
             self.config.runtime_dir / SOCKET_NAME,
             operations(self.database, slurm=self.slurm, controller_url=self._agents_url()),
         ).start()
-        host, port = _host_port(self.config["daemon.metrics_listen"], "daemon.metrics_listen")
+        host, port = _host_port(self.settings.daemon.metrics_listen, "daemon.metrics_listen")
         self._ops = OpsServer(
             self.metrics.registry, lambda: check_health(self.liveness, self.database), host, port
         ).start()
-        interval = self.config["daemon.poll_interval_s"]
+        interval = self.settings.daemon.poll_interval_s
         self.liveness.tick()  # the loop's clock starts now, not at construction
         self._scheduler.add_job(
             self._control_tick,
@@ -294,7 +295,7 @@ class Daemon:
             self._scheduler.add_job(
                 self.webhook_pass,
                 "interval",
-                seconds=self.config["notify.webhook_interval_s"],
+                seconds=self.settings.notify.webhook_interval_s,
                 id="webhook",
                 next_run_time=self.clock(),
             )
@@ -316,14 +317,14 @@ class Daemon:
             self._ops.url,
             interval,
             f", watchdog ping every {watchdog_s:.1f}s" if watchdog_s else "",
-            " (observe-only)" if self.config["daemon.observe_only"] else "",
+            " (observe-only)" if self.settings.daemon.observe_only else "",
         )
         return self
 
     def _agents_url(self) -> str:
         """The URL agents on compute nodes report to: `daemon.agents_url`, else the ingest
         endpoint as bound (fine when it listens on an address the nodes can reach)."""
-        return self.config["daemon.agents_url"] or self.ingest_url
+        return self.settings.daemon.agents_url or self.ingest_url
 
     @property
     def ingest_url(self) -> str:

@@ -18,7 +18,7 @@ from datetime import timedelta
 from functools import partial
 from typing import Any, Required, TypedDict, Unpack
 
-from slurmft.config import Config
+from slurmft.config import Config, PolicySection, TrustSection
 from slurmft.controller.detect import find_hangs, find_stragglers, find_unresponsive
 from slurmft.controller.views import (
     Action,
@@ -41,7 +41,6 @@ from slurmft.controller.views import (
 )
 from slurmft.core.budget import (
     CAUSE_WINDOW_S,
-    DEFAULT_MAX_RESTARTS_WITHOUT_PROGRESS,
     Restart,
     RestartBudget,
     budget_from_history,
@@ -55,11 +54,14 @@ from slurmft.gpu.lemons import judge_lemons
 
 @dataclass(frozen=True)
 class TrustPolicy:
-    drain_gpu_faults: bool = True
-    straggler_drain_after_windows: int = 3
-    drains_per_hour: int = 4
-    max_drained_fraction: float = 0.1  # of the partition; at least one drain is always allowed
-    lemon_min_runs: int = 2  # different runs with restart-class Xids on a node make it a lemon
+    # The defaults are the [trust] section's (slurmft.config): written there only.
+    drain_gpu_faults: bool = TrustSection.drain_gpu_faults
+    straggler_drain_after_windows: int = TrustSection.straggler_drain_after_windows
+    drains_per_hour: int = TrustSection.drains_per_hour
+    # Of the partition; at least one drain is always allowed.
+    max_drained_fraction: float = TrustSection.max_drained_fraction
+    # Different runs with restart-class Xids on a node make it a lemon.
+    lemon_min_runs: int = TrustSection.lemon_min_runs
 
 
 # A straggler window is judged in this many equal buckets; slow in every one of them is what
@@ -69,12 +71,13 @@ STRAGGLER_WINDOW_BUCKETS = 5
 
 @dataclass(frozen=True)
 class Policy:
-    straggler_threshold: float = 0.20
-    straggler_window_s: float = 300.0
+    # The defaults are the [policy] section's (slurmft.config): written there only.
+    straggler_threshold: float = PolicySection.straggler_threshold
+    straggler_window_s: float = PolicySection.straggler_window_s
     straggler_window_buckets: int = STRAGGLER_WINDOW_BUCKETS
-    silent_after_s: float = 30.0
-    unresponsive_after_s: float = 60.0
-    max_restarts_without_progress: int = DEFAULT_MAX_RESTARTS_WITHOUT_PROGRESS
+    silent_after_s: float = PolicySection.silent_after_s
+    unresponsive_after_s: float = PolicySection.unresponsive_after_s
+    max_restarts_without_progress: int = PolicySection.max_restarts_without_progress
     trust: TrustPolicy = TrustPolicy()
 
     @property
@@ -84,18 +87,19 @@ class Policy:
 
     @classmethod
     def from_config(cls, config: Config) -> Policy:
+        policy, trust = config.settings.policy, config.settings.trust
         return cls(
-            straggler_threshold=config["policy.straggler_threshold"],
-            straggler_window_s=config["policy.straggler_window_s"],
-            silent_after_s=config["policy.silent_after_s"],
-            unresponsive_after_s=config["policy.unresponsive_after_s"],
-            max_restarts_without_progress=config["policy.max_restarts_without_progress"],
+            straggler_threshold=policy.straggler_threshold,
+            straggler_window_s=policy.straggler_window_s,
+            silent_after_s=policy.silent_after_s,
+            unresponsive_after_s=policy.unresponsive_after_s,
+            max_restarts_without_progress=policy.max_restarts_without_progress,
             trust=TrustPolicy(
-                drain_gpu_faults=config["trust.drain_gpu_faults"],
-                straggler_drain_after_windows=config["trust.straggler_drain_after_windows"],
-                drains_per_hour=config["trust.drains_per_hour"],
-                max_drained_fraction=config["trust.max_drained_fraction"],
-                lemon_min_runs=config["trust.lemon_min_runs"],
+                drain_gpu_faults=trust.drain_gpu_faults,
+                straggler_drain_after_windows=trust.straggler_drain_after_windows,
+                drains_per_hour=trust.drains_per_hour,
+                max_drained_fraction=trust.max_drained_fraction,
+                lemon_min_runs=trust.lemon_min_runs,
             ),
         )
 

@@ -9,6 +9,7 @@ be imported from here, so the node side never pays for the daemon's or the store
   of a Slurm job (waiting, active, ended) that both the Slurm client and the policy use.
 - `exits`: the exit codes the agent and the batch step end with, and what each means.
 - `budget`: the restart budget and the one rule of progress that resets it.
+- `defaults`: the restart cap's default, shared with its setting.
 - `torch_support`: which torch versions each of slurmft's torch patches was tested with.
 
 Package modules are imported by name (``from slurmft.core.kinds import FaultClass``): this file

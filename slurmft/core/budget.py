@@ -29,6 +29,7 @@ from datetime import datetime, timedelta
 from enum import StrEnum
 from typing import Any
 
+from slurmft.core.defaults import MAX_RESTARTS_WITHOUT_PROGRESS
 from slurmft.core.kinds import FaultClass
 
 FREE_CLASSES = frozenset({FaultClass.PREEMPTION, FaultClass.TIME_LIMIT})
@@ -43,9 +44,6 @@ class Restart:
     progress: str | None = None  # newest verified checkpoint id seen before this restart
 
 
-DEFAULT_MAX_RESTARTS_WITHOUT_PROGRESS = 5  # policy.max_restarts_without_progress
-
-
 @dataclass(frozen=True)
 class RestartBudget:
     """The run's restart budget: the one count (``restarts_without_progress``, charged
@@ -55,7 +53,7 @@ class RestartBudget:
     The daemon keeps the count in the store (``runs.restarts_without_progress``), the batch step
     in its state file (`to_dict`, the one format); both charge it with `charge`."""
 
-    max_restarts_without_progress: int = DEFAULT_MAX_RESTARTS_WITHOUT_PROGRESS
+    max_restarts_without_progress: int = MAX_RESTARTS_WITHOUT_PROGRESS
     restarts_without_progress: int = 0
     last_progress: str | None = None  # the newest progress seen (`progress_label`)
     restarts_by_class: Mapping[str, int] = field(default_factory=dict)
@@ -120,7 +118,7 @@ class RestartBudget:
         recorded_cap = data.get("max_restarts_without_progress")
         return cls(
             max_restarts_without_progress=int(
-                cap if cap is not None else recorded_cap or DEFAULT_MAX_RESTARTS_WITHOUT_PROGRESS
+                cap if cap is not None else recorded_cap or MAX_RESTARTS_WITHOUT_PROGRESS
             ),
             restarts_without_progress=int(data.get("restarts_without_progress", 0)),
             last_progress=str(progress) if progress is not None else None,

@@ -20,7 +20,7 @@ from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 import slurmft
-from slurmft.config import Config, check_sqlite_location
+from slurmft.config import Config, DatabaseSection, check_sqlite_location
 from slurmft.errors import SlurmftError
 
 log = logging.getLogger(__name__)
@@ -98,7 +98,13 @@ def _sqlite_pragmas(busy_timeout_ms: int) -> Any:
 class Database:
     """Engine, sessions and migrations for one store URL."""
 
-    def __init__(self, url: str, *, busy_timeout_ms: int = 5000, pool_size: int = 5) -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        busy_timeout_ms: int = DatabaseSection.busy_timeout_ms,
+        pool_size: int = DatabaseSection.pool_size,
+    ) -> None:
         self.url = normalize_url(url)
         self.engine = self._create_engine(busy_timeout_ms, pool_size)
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
@@ -107,8 +113,8 @@ class Database:
     def from_config(cls, config: Config) -> Database:
         return cls(
             config.database_url,
-            busy_timeout_ms=config["database.busy_timeout_ms"],
-            pool_size=config["database.pool_size"],
+            busy_timeout_ms=config.settings.database.busy_timeout_ms,
+            pool_size=config.settings.database.pool_size,
         )
 
     @property

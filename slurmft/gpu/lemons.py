@@ -15,6 +15,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
+from slurmft.config import TrustSection
 from slurmft.gpu.xids import APPLICATION_XIDS
 
 # The restart-class Xids a node's lemon standing is judged on: the last two weeks'.
@@ -42,7 +43,7 @@ def judge_lemons(
     history: Iterable[XidOccurrence],
     *,
     now: datetime,
-    min_runs: int = 2,
+    min_runs: int = TrustSection.lemon_min_runs,
     window: timedelta = LEMON_WINDOW,
     max_nodes_per_run: int = 1,
     xids: frozenset[int] = APPLICATION_XIDS,
@@ -66,14 +67,17 @@ def judge_lemons(
     }
 
 
-def _verdict(node: str, runs: set[str], xids: set[int], min_runs: int,
-             window: timedelta) -> LemonVerdict:
+def _verdict(
+    node: str, runs: set[str], xids: set[int], min_runs: int, window: timedelta
+) -> LemonVerdict:
     ordered, codes = tuple(sorted(runs)), tuple(sorted(xids))
     is_lemon = len(ordered) >= min_runs
     xid_text = "/".join(str(x) for x in codes)
     if is_lemon:
-        reason = (f"slurmft: lemon: Xid {xid_text} in {len(ordered)} different runs "
-                  f"within {window.days} days")
+        reason = (
+            f"slurmft: lemon: Xid {xid_text} in {len(ordered)} different runs "
+            f"within {window.days} days"
+        )
     else:
         reason = f"Xid {xid_text} in {len(ordered)} run(s) attributable to this node; not a lemon"
     return LemonVerdict(node, is_lemon, ordered, codes, reason)

@@ -10,6 +10,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from slurmft.config import Config, GpuSection
 from slurmft.gpu.api import (
     FaultAction,
     GpuFault,
@@ -90,8 +91,8 @@ class GpuProbe:
         *,
         since_monotonic_s: float | None = None,
         kernel_log_file: Path | None = None,
-        inject: str = "",
-        use_dcgm: bool = True,
+        inject: str = GpuSection.inject,
+        use_dcgm: bool = GpuSection.dcgm,
         nvml: Any = None,
     ) -> GpuProbe:
         """NVML, the kernel log, DCGM (where installed) and injection (where configured)."""
@@ -108,14 +109,14 @@ class GpuProbe:
         return cls(sources)
 
     @classmethod
-    def from_config(cls, config: Any, *, since_monotonic_s: float | None = None) -> GpuProbe:
-        """The probe a node runs, from the ``gpu.*`` settings (a ``slurmft.config.Config``)."""
-        log_file = config["gpu.kernel_log_file"]
+    def from_config(cls, config: Config, *, since_monotonic_s: float | None = None) -> GpuProbe:
+        """The probe a node runs, from the ``gpu.*`` settings."""
+        gpu = config.settings.gpu
         return cls.default(
             since_monotonic_s=since_monotonic_s,
-            kernel_log_file=Path(log_file) if log_file else None,
-            inject=config["gpu.inject"],
-            use_dcgm=config["gpu.dcgm"],
+            kernel_log_file=Path(gpu.kernel_log_file) if gpu.kernel_log_file else None,
+            inject=gpu.inject,
+            use_dcgm=gpu.dcgm,
         )
 
     def start(self) -> None:
@@ -139,7 +140,7 @@ class GpuProbe:
         return fresh
 
     def watch(self, on_fault: Callable[[GpuFault], None], stop: threading.Event,
-              interval_s: float = 5.0) -> threading.Thread:
+              interval_s: float = GpuSection.poll_interval_s) -> threading.Thread:
         """Call ``on_fault`` for each new fault until ``stop`` is set (a daemon thread)."""
 
         def loop() -> None:

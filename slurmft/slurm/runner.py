@@ -12,9 +12,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from slurmft.config import SlurmSection
 from slurmft.slurm.api import SlurmTimeout, SlurmUnreachable
 
-DEFAULT_TIMEOUT_S = 30.0
+DEFAULT_TIMEOUT_S = SlurmSection.command_timeout_s
 
 
 @dataclass(frozen=True)

@@ -123,6 +123,6 @@ def test_example_config_loads_and_matches_the_unit(tmp_path: Path) -> None:
         system_file=tmp_path / "absent.toml",
     )
     environment = dict(v.split("=", 1) for v in _directives(UNIT)["Environment"])
-    assert config["paths.state_dir"] == environment["SLURMFT_PATHS_STATE_DIR"]
-    assert config["paths.runtime_dir"] == environment["SLURMFT_PATHS_RUNTIME_DIR"]
-    assert config["daemon.metrics_listen"].startswith("127.0.0.1:")  # localhost by default
+    assert config.settings.paths.state_dir == environment["SLURMFT_PATHS_STATE_DIR"]
+    assert config.settings.paths.runtime_dir == environment["SLURMFT_PATHS_RUNTIME_DIR"]
+    assert config.settings.daemon.metrics_listen.startswith("127.0.0.1:")  # localhost by default

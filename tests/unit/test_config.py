@@ -1,16 +1,25 @@
 from __future__ import annotations
 
+from dataclasses import FrozenInstanceError
 from pathlib import Path
 
 import pytest
 
 from slurmft.config import (
+    SECTIONS,
     SETTINGS,
+    SETTINGS_BY_KEY,
+    Config,
     ConfigError,
+    LogSection,
+    PolicySection,
+    Section,
+    Settings,
     check_sqlite_location,
     filesystem_type,
     load_config,
     parse_mountinfo,
+    setting_field,
 )
 
 MOUNTINFO = """\
@@ -22,19 +31,26 @@ MOUNTINFO = """\
 """
 
 
-def _load(tmp_path: Path, **kwargs: object) -> object:
+def _load(tmp_path: Path, **kwargs: object) -> Config:
     kwargs.setdefault("environ", {})
     kwargs.setdefault("system_file", tmp_path / "absent.toml")
     return load_config(**kwargs)  # type: ignore[arg-type]
 
 
+def _typed_value(config: Config, key: str) -> object:
+    """The value of ``section.name`` as the typed settings hold it."""
+    section, name = key.split(".")
+    return getattr(getattr(config.settings, section), name)
+
+
 def test_defaults_come_from_the_settings_table(tmp_path: Path) -> None:
     config = _load(tmp_path)
     for setting in SETTINGS:
-        assert config[setting.key] == setting.default
+        assert _typed_value(config, setting.key) == setting.default
         assert config.source(setting.key) == "default"
-    assert config["policy.max_restarts_without_progress"] == 5
-    assert config["policy.straggler_threshold"] == pytest.approx(0.2)
+    assert config.settings == Settings()
+    assert config.settings.policy.max_restarts_without_progress == 5
+    assert config.settings.policy.straggler_threshold == pytest.approx(0.2)
 
 
 def test_precedence_system_file_user_file_env_flags(tmp_path: Path) -> None:
@@ -54,14 +70,15 @@ def test_precedence_system_file_user_file_env_flags(tmp_path: Path) -> None:
         },
         overrides=["log.level=INFO"],
     )
-    assert (config["log.format"], config.source("log.format")) == ("json", str(system))
-    assert (config["policy.straggler_window_s"], config.source("policy.straggler_window_s")) == (
+    settings = config.settings
+    assert (settings.log.format, config.source("log.format")) == ("json", str(system))
+    assert (settings.policy.straggler_window_s, config.source("policy.straggler_window_s")) == (
         60.0,
         str(system),
     )
-    assert config["daemon.poll_interval_s"] == 4.0
+    assert settings.daemon.poll_interval_s == 4.0
     assert config.source("daemon.poll_interval_s") == "env SLURMFT_DAEMON_POLL_INTERVAL_S"
-    assert (config["log.level"], config.source("log.level")) == ("INFO", "flag --set")
+    assert (settings.log.level, config.source("log.level")) == ("INFO", "flag --set")
 
 
 def test_explicit_config_file_wins_over_the_environment_variable(tmp_path: Path) -> None:
@@ -70,7 +87,7 @@ def test_explicit_config_file_wins_over_the_environment_variable(tmp_path: Path)
     flag_file = tmp_path / "flag.toml"
     flag_file.write_text('[log]\nlevel = "DEBUG"\n')
     config = _load(tmp_path, config_file=flag_file, environ={"SLURMFT_CONFIG": str(env_file)})
-    assert config["log.level"] == "DEBUG"
+    assert config.settings.log.level == "DEBUG"
 
 
 @pytest.mark.parametrize(
@@ -160,4 +177,160 @@ def test_variables_that_are_not_settings_are_left_alone(tmp_path: Path) -> None:
         "SLURMFT_TEST_POSTGRES_URL": "postgresql://x",
         "SLURMFT_STACKS_DIR": "/tmp/x",
     }
-    assert _load(tmp_path, environ=env)["log.level"] == "INFO"
+    assert _load(tmp_path, environ=env).settings.log.level == "INFO"
+
+
+# --- the typed sections ----------------------------------------------------------------------
+
+
+def test_the_settings_table_is_derived_from_the_sections() -> None:
+    """Every field of every section is one row of SETTINGS, in order, with the field's own
+    default, help and bounds: the table is not written a second time."""
+    declared = [
+        (f"{name}.{field}", kind, spec)
+        for name, section in SECTIONS.items()
+        for field, (kind, spec) in section.__section_fields__.items()
+    ]
+    assert [key for key, _, _ in declared] == [s.key for s in SETTINGS]
+    assert list(SECTIONS) == list(Settings.__annotations__)
+    for key, kind, spec in declared:
+        setting = SETTINGS_BY_KEY[key]
+        assert setting.default is spec.default
+        assert setting.help is spec.help
+        assert (setting.kind, setting.choices, setting.minimum, setting.maximum) == (
+            kind,
+            spec.choices,
+            spec.minimum,
+            spec.maximum,
+        )
+        section, name = key.split(".")
+        assert getattr(SECTIONS[section], name) is spec.default  # the class attribute
+
+
+def test_a_section_is_a_frozen_value() -> None:
+    policy = PolicySection(max_restarts_without_progress=7)
+    assert policy == PolicySection(max_restarts_without_progress=7) != PolicySection()
+    assert hash(policy) == hash(PolicySection(max_restarts_without_progress=7))
+    assert repr(LogSection()) == "LogSection(level='INFO', format='text')"
+    settings = Settings(policy=policy)
+    assert settings.policy is policy and settings.trust == Settings().trust
+    assert settings != Settings() and hash(settings) == hash(Settings(policy=policy))
+    with pytest.raises(TypeError, match="'polcy'"):
+        Settings(polcy=policy)
+    with pytest.raises(FrozenInstanceError):
+        policy.max_restarts_without_progress = 3  # type: ignore[misc]
+    with pytest.raises(FrozenInstanceError):
+        settings.policy = policy
+
+
+def test_a_setting_of_another_type_is_refused_where_it_is_declared() -> None:
+    with pytest.raises(TypeError, match="declare a setting as"):
+
+        class _Bad(Section):  # pyright: ignore[reportUnusedClass]
+            retries: int = setting_field(2.5, "A float default for an int.")  # type: ignore[assignment]
+
+
+def test_typed_settings_hold_the_effective_values(tmp_path: Path) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text("[trust]\ndrain_gpu_faults = false\n")
+    config = _load(
+        tmp_path,
+        config_file=path,
+        environ={"SLURMFT_AGENT_MAX_RESTARTS": "9"},
+        overrides=["policy.max_restarts_without_progress=7"],
+    )
+    assert config.settings.policy.max_restarts_without_progress == 7
+    assert config.settings.trust.drain_gpu_faults is False
+    assert config.settings.agent.max_restarts == 9
+    for key, value in config.items():
+        assert _typed_value(config, key) == value.value
+
+
+def test_code_takes_its_defaults_from_the_sections() -> None:
+    """The policy, the agent, its torchrun and the batch step default to the sections' values."""
+    from slurmft.agent.agent import AgentSettings
+    from slurmft.agent.batch import BatchSpec
+    from slurmft.agent.command import TorchrunSpec
+    from slurmft.controller.decide import Policy, TrustPolicy
+
+    defaults = Settings()
+    policy = Policy()
+    assert (
+        policy.straggler_threshold,
+        policy.straggler_window_s,
+        policy.silent_after_s,
+        policy.unresponsive_after_s,
+    ) == (
+        defaults.policy.straggler_threshold,
+        defaults.policy.straggler_window_s,
+        defaults.policy.silent_after_s,
+        defaults.policy.unresponsive_after_s,
+    )
+    trust = defaults.trust
+    assert TrustPolicy() == TrustPolicy(
+        trust.drain_gpu_faults,
+        trust.straggler_drain_after_windows,
+        trust.drains_per_hour,
+        trust.max_drained_fraction,
+    )
+    spec = TorchrunSpec(nodes=2, nproc_per_node=1, rdzv_endpoint="h:1", rdzv_id="r", script=("t",))
+    agent = defaults.agent
+    assert (
+        spec.rdzv_timeout_s,
+        spec.keep_alive_interval_s,
+        spec.keep_alive_max_attempts,
+        spec.max_restarts,
+        spec.wait_list_fix,
+    ) == (
+        agent.rdzv_timeout_s,
+        agent.keep_alive_interval_s,
+        agent.keep_alive_max_attempts,
+        agent.max_restarts,
+        agent.rdzv_wait_list_fix,
+    )
+    settings = AgentSettings(spec=spec, node="n", run_id="r", work_dir=Path("/tmp"))
+    assert (
+        settings.controller_url,
+        settings.report_interval_s,
+        settings.max_buffered,
+        settings.max_clock_skew_s,
+        settings.stop_grace_s,
+        settings.stack_wait_s,
+        settings.gpu_poll_s,
+    ) == (
+        agent.controller_url,
+        agent.report_interval_s,
+        agent.report_buffer_max,
+        agent.max_clock_skew_s,
+        agent.stop_grace_s,
+        agent.stack_dump_wait_s,
+        defaults.gpu.poll_interval_s,
+    )
+    batch = BatchSpec(run_id="r", nodes=2, spares=0, script=("t",), ckpt_dir="/c")
+    assert batch.max_restarts_without_progress == defaults.policy.max_restarts_without_progress
+
+
+@pytest.mark.parametrize(
+    ("build", "needle"),
+    [
+        (lambda: PolicySection(max_restarts_without_progress=0), "must be at least 1"),
+        (lambda: PolicySection(straggler_threshold=11.0), "must be at most 10.0"),
+        (lambda: PolicySection(max_restarts_without_progress=2.5), "a whole number"),  # type: ignore[arg-type]
+        (lambda: LogSection(format="xml"), "one of text, json"),
+        (lambda: LogSection(level=3), "a string"),  # type: ignore[arg-type]
+    ],
+)
+def test_a_section_built_in_code_is_held_to_the_bounds(build: object, needle: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        build()  # type: ignore[operator]
+    assert needle in str(info.value)
+    assert "Section" in str(info.value)  # the message names where the value came from
+
+
+def test_a_misspelt_key_in_a_file_names_the_key_it_meant(tmp_path: Path) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text("[policy]\nmax_restarts_without_progres = 3\n")
+    with pytest.raises(ConfigError, match=r"Did you mean policy\.max_restarts_without_progress"):
+        _load(tmp_path, config_file=path)
+    with pytest.raises(TypeError, match="max_restarts_without_progres"):
+        PolicySection(max_restarts_without_progres=3)  # type: ignore[call-arg]
