@@ -34,6 +34,7 @@ from slurmft.agent.reporter import HttpTransport, Reporter, RetryableError
 from slurmft.agent.sightings import SightingLog
 from slurmft.config import AgentSection, GpuSection
 from slurmft.core.budget import Seen, named_round, round_key
+from slurmft.core.exits import StepOutcome
 from slurmft.core.kinds import EventKind, FaultClass
 from slurmft.protocol import AgentEvent, Command, CommandKind, RankHeartbeat
 
@@ -281,12 +282,12 @@ class NodeAgent:
                 )
                 return AgentExit.LEFT
 
-    def outcome(self, code: AgentExit) -> str:
+    def outcome(self, code: AgentExit) -> StepOutcome:
         """How this agent ended, for the batch step (batch.StepOutcomes): a node the controller
         cordoned is told apart from one stopped by a signal (the batch step's own stop)."""
         if code is AgentExit.LEFT and self.state.stop_reason.startswith(LEAVE_PREFIX):
-            return "LEFT_CORDONED"
-        return code.name
+            return StepOutcome.LEFT_CORDONED
+        return StepOutcome(code.name)
 
     def _exit_code(self, returncode: int) -> AgentExit:
         if returncode == 0:

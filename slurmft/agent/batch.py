@@ -26,6 +26,7 @@ from typing import Any
 
 from slurmft.config import PolicySection
 from slurmft.core.budget import Restart, RestartBudget, progress_label
+from slurmft.core.exits import StepOutcome
 from slurmft.core.kinds import FaultClass
 from slurmft.slurm.api import NodeInfo, SubmitRequest
 from slurmft.slurm.hostlist import compress
@@ -160,11 +161,8 @@ def usable_nodes(
 # because the controller cordoned its node (or found it unfit) keeps that node out of the
 # relaunched steps of this job.
 
-FINISHED_OUTCOME = "FINISHED"
-CORDONING_OUTCOMES = frozenset({"LEFT_CORDONED", "PREFLIGHT_FAILED"})
 
-
-def write_step_outcome(outcome_dir: str, node: str, outcome: str, reason: str = "") -> None:
+def write_step_outcome(outcome_dir: str, node: str, outcome: StepOutcome, reason: str = "") -> None:
     directory = Path(outcome_dir)
     directory.mkdir(parents=True, exist_ok=True)
     partial = directory / f".{node}.tmp"
@@ -174,7 +172,7 @@ def write_step_outcome(outcome_dir: str, node: str, outcome: str, reason: str = 
 
 @dataclass(frozen=True)
 class StepOutcomes:
-    by_node: dict[str, str] = field(default_factory=dict)
+    by_node: dict[str, StepOutcome] = field(default_factory=dict)
 
     @classmethod
     def read(cls, outcome_dir: str) -> StepOutcomes:
@@ -182,18 +180,18 @@ class StepOutcomes:
         for path in sorted(Path(outcome_dir).glob("*.json")) if outcome_dir else ():
             try:
                 record = json.loads(path.read_text())
-                found[str(record["node"])] = str(record["outcome"])
+                found[str(record["node"])] = StepOutcome(record["outcome"])
             except (OSError, ValueError, KeyError, TypeError):
                 continue  # a torn or foreign file says nothing
         return cls(found)
 
     @property
     def finished(self) -> bool:
-        return FINISHED_OUTCOME in self.by_node.values()
+        return StepOutcome.FINISHED in self.by_node.values()
 
     @property
     def cordoned(self) -> frozenset[str]:
-        return frozenset(n for n, o in self.by_node.items() if o in CORDONING_OUTCOMES)
+        return frozenset(n for n, o in self.by_node.items() if o.cordons)
 
 
 # --- the batch step's state, kept in the checkpoint directory across requeues ---------------
@@ -298,7 +296,7 @@ def after_step(  # noqa: PLR0917 (the step's whole result)
     if returncode == 0:
         return Decision(Move.FINISH, "training finished", budget)
     if outcomes is not None and outcomes.finished:
-        others = {n: o for n, o in outcomes.by_node.items() if o != FINISHED_OUTCOME}
+        others = {n: o for n, o in outcomes.by_node.items() if o is not StepOutcome.FINISHED}
         return Decision(
             Move.FINISH,
             f"training finished (agent step exit {returncode}: "

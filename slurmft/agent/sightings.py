@@ -32,13 +32,12 @@ from slurmft.core.budget import (
     budget_from_history,
     restart_groups,
 )
+from slurmft.core.exits import StepOutcome
 
 log = logging.getLogger(__name__)
 
 SIGHTINGS_SUFFIX = ".sightings.jsonl"
 RECORDED_KINDS = frozenset({Seen.FAILURE, Seen.RESTART, Seen.CHECKPOINT, Seen.HANG})
-# Outcomes of an agent that left its step while the others went on (batch.StepOutcomes).
-DEPARTED_OUTCOMES = frozenset({"LEFT", "LEFT_CORDONED"})
 
 
 def sightings_path(step_dir: str, node: str) -> Path:
@@ -96,7 +95,7 @@ def departures(step_dir: str, left_before: datetime | None = None) -> list[Sight
     for path in Path(step_dir).glob("*.json"):
         try:
             record = json.loads(path.read_text())
-            left = str(record["outcome"]) in DEPARTED_OUTCOMES
+            left = StepOutcome(record["outcome"]).departed
             at = datetime.fromtimestamp(path.stat().st_mtime, UTC)
         except (OSError, ValueError, KeyError, TypeError):
             continue  # a foreign or half-replaced file says nothing

@@ -7,7 +7,8 @@ be imported from here, so the node side never pays for the daemon's or the store
 - `kinds`: node roles, fault classes, event kinds, action kinds and statuses (stored values).
 - `states`: the run and attempt state machines, with their legal transitions, and the phase
   of a Slurm job (waiting, active, ended) that both the Slurm client and the policy use.
-- `exits`: the exit codes the agent and the batch step end with, and what each means.
+- `exits`: the exit codes the agent and the batch step end with, what each means, and the
+  outcome each agent of a step writes for the batch step.
 - `budget`: the restart budget and the one rule of progress that resets it.
 - `defaults`: the restart cap's default, shared with its setting.
 - `torch_support`: which torch versions each of slurmft's torch patches was tested with.
