@@ -361,7 +361,13 @@ def _node_views(
     # The nodes Slurm gave the attempt, as first seen running: a node the job lost while the
     # daemon was down (or between recording the loss and acting on it) is no longer held, and
     # only this list still names it.
-    started_with = set(attempt.nodelist.split(",")) if attempt and attempt.nodelist else set()
+    # Only a RUNNING job's missing node was taken away: a COMPLETING one (cancelled, preempted,
+    # requeued, finished) gives its nodes back one by one as they finish (seen in the suite: a
+    # preempted job's freed nodes read as lost, and the ending job was requeued without them).
+    running = info is not None and info.state is JobState.RUNNING
+    started_with = (
+        set(attempt.nodelist.split(",")) if running and attempt and attempt.nodelist else set()
+    )
     held = set(info.nodes) if info and info.state.holds_nodes else set()
     views = []
     for name in sorted(held | set(roles) | started_with):

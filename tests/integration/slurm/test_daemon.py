@@ -67,7 +67,14 @@ def test_daemon_loop_survives_sigkill_and_stops_on_sigterm(
 
     assert daemon.kill(signal.SIGKILL) == -signal.SIGKILL
     daemon.start()  # a stale socket from the killed daemon is replaced
-    status = call(socket_path, "status", run_id="rd")
+    # Killed between recording the loss and taking the node out of the run (each action is its
+    # own transaction), the daemon takes it out on its first pass after the restart.
+    status, _ = wait_for_value(
+        "the node out of the run after the restart",
+        lambda: call(socket_path, "status", run_id="rd"),
+        lambda s: s["excluded_nodes"] == [victim],
+        timeout_s=30,
+    )
     assert status["excluded_nodes"] == [victim] and status["state"] == "running"
     time.sleep(3)  # several passes of the restarted daemon
     assert _count(database, *lost) == 1
