@@ -76,6 +76,7 @@ class Heartbeat:
         self._progress_at = clock()
         self._section: str | None = None
         self._stop = threading.Event()
+        self._send_lock = threading.Lock()  # the thread's sends against stop()'s last one
         self._thread: threading.Thread | None = None
 
     @property
@@ -139,11 +140,18 @@ class Heartbeat:
         while to exit, and its silence while slower peers still report is no hang."""
         self._stop.set()
         if self._thread is not None:
+            # A send the thread has begun ends first, and none follows: under load the thread
+            # could be starved past the join's timeout and send its last "init" after "done"
+            # (seen in the suite), and the agent would read the rank as still reporting.
+            with self._send_lock:
+                self.enter(Phase.DONE)
             self._thread.join(timeout=self.interval_s + 1)
             self._thread = None
-            self.enter(Phase.DONE)
 
     def _run(self) -> None:
-        while not self._stop.is_set():
-            self.send_now()
+        while True:
+            with self._send_lock:
+                if self._stop.is_set():
+                    return
+                self.send_now()
             self._stop.wait(self.interval_s)
