@@ -38,13 +38,14 @@ from slurmft.controller.act import Executor, Outcome
 from slurmft.controller.decide import Policy, decide
 from slurmft.controller.health import LoopLiveness, OpsServer, check_health
 from slurmft.controller.http import IngestServer
+from slurmft.controller.limits import RateLimits
 from slurmft.controller.metrics import SCHEDULER_EVENTS, DaemonMetrics, TimedRunner
 from slurmft.controller.notify import Notifier
 from slurmft.controller.observe import observe
 from slurmft.controller.resubmit import OwnerSubmitter
 from slurmft.controller.rpc import SOCKET_NAME, RpcServer
 from slurmft.controller.step_window import StepWindows
-from slurmft.controller.user_ops import operations
+from slurmft.controller.user_ops import RunQuota, operations
 from slurmft.controller.webhook import WebhookOutbox
 from slurmft.db import Database, DatabaseUnavailable
 from slurmft.db.models import ActionStatus
@@ -270,10 +271,17 @@ class Daemon:
             sample_every=timedelta(seconds=self.settings.retention.heartbeat_sample_s),
             clock=self.clock,
             observe=self.metrics.observe_ingest,
+            limits=RateLimits.from_settings(self.settings.daemon),
         ).start()
         self._rpc = RpcServer(
             self.config.runtime_dir / SOCKET_NAME,
-            operations(self.database, slurm=self.slurm, controller_url=self._agents_url()),
+            operations(
+                self.database,
+                slurm=self.slurm,
+                controller_url=self._agents_url(),
+                quota=RunQuota.from_settings(self.settings.daemon),
+                on_refusal=self.metrics.count_refusal,
+            ),
         ).start()
         host, port = _host_port(self.settings.daemon.metrics_listen, "daemon.metrics_listen")
         self._ops = OpsServer(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
@@ -21,6 +22,7 @@ from sqlalchemy.exc import IntegrityError
 
 from slurmft.controller.group_commit import GroupCommitter
 from slurmft.controller.ingest import IngestRefused
+from slurmft.controller.limits import IngestLimiter, RateLimits
 from slurmft.controller.serving import ServerThread
 from slurmft.db import Database, DatabaseUnavailable
 from slurmft.protocol import (
@@ -29,6 +31,7 @@ from slurmft.protocol import (
     MAX_BODY_BYTES,
     TIME_PATH,
     AgentBatch,
+    ItemsRefused,
     ProtocolError,
     TimeReply,
 )
@@ -48,8 +51,14 @@ class IngestServer:
         sample_every: timedelta = timedelta(seconds=60),
         clock: Callable[[], datetime] = lambda: datetime.now(UTC),
         observe: Callable[[int, float], None] | None = None,
+        limits: RateLimits | None = None,
     ) -> None:
-        self._committer = GroupCommitter(database, clock=clock, sample_every=sample_every)
+        self._committer = GroupCommitter(
+            database,
+            clock=clock,
+            sample_every=sample_every,
+            limiter=IngestLimiter(limits or RateLimits()),
+        )
         handler = type(
             "Handler",
             (_Handler,),
@@ -107,7 +116,12 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             self._reply(HTTPStatus.OK, self._ingest())
         except IngestRefused as exc:
-            self._error(HTTPStatus(exc.status), str(exc))
+            if exc.items is not None:  # only some items: the agent drops them, sends the rest
+                self._reply(HTTPStatus.UNPROCESSABLE_ENTITY, exc.items.reply().to_json())
+            else:
+                self._error(HTTPStatus(exc.status), str(exc), exc.retry_after_s)
+        except ItemsRefused as exc:  # items not of the wire's types
+            self._reply(HTTPStatus.UNPROCESSABLE_ENTITY, exc.reply().to_json())
         except ProtocolError as exc:
             self._error(HTTPStatus.BAD_REQUEST, str(exc))
         except (DatabaseUnavailable, IntegrityError) as exc:
@@ -122,26 +136,28 @@ class _Handler(BaseHTTPRequestHandler):
         if token is None:
             raise IngestRefused(401, "missing 'Authorization: Bearer <run token>'")
         length = self.headers.get("Content-Length")
-        if length is None or not length.isdigit():
+        if length is None or not (length.isascii() and length.isdigit()):  # not "²"
             raise IngestRefused(411, "Content-Length required")
         if int(length) > MAX_BODY_BYTES:
             raise IngestRefused(413, f"body of {length} bytes is over {MAX_BODY_BYTES}")
         batch = AgentBatch.from_json(self.rfile.read(int(length)))
         return self.committer.submit(batch, token).to_json()
 
-    def _reply(self, status: HTTPStatus, body: bytes) -> None:
+    def _reply(self, status: HTTPStatus, body: bytes, retry_after_s: float | None = None) -> None:
         if self.command == "POST" and self.path == BATCH_PATH:
             # Counted before the answer leaves: whoever got it then sees it on /metrics.
             self.observe(int(status), time.monotonic() - self._started)
         self.send_response(status)
+        if retry_after_s is not None:
+            self.send_header("Retry-After", str(max(1, math.ceil(retry_after_s))))
         self.send_header("Content-Type", CONTENT_TYPE)
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
         self.wfile.write(body)
 
-    def _error(self, status: HTTPStatus, message: str) -> None:
+    def _error(self, status: HTTPStatus, message: str, retry_after_s: float | None = None) -> None:
         self.close_connection = True  # an unread body must never be parsed as the next request
-        self._reply(status, json.dumps({"error": message}).encode())
+        self._reply(status, json.dumps({"error": message}).encode(), retry_after_s)
 
 
 def _ignore(_status: int, _seconds: float) -> None:

@@ -67,6 +67,7 @@ class ActionKind(enum.StrEnum):
     NOTIFY = "notify"
     DENYLIST_ADD = "denylist_add"
     DENYLIST_REMOVE = "denylist_remove"
+    REFUSE = "refuse"  # a user's request refused by a quota or a rate limit (the audit row)
 
 
 class ActionStatus(enum.StrEnum):

@@ -136,20 +136,18 @@ def test_an_unreachable_store_answers_every_waiting_agent_at_once() -> None:
         committer.submit(_batch(0), "t")
 
 
-def test_a_value_too_long_for_postgresql_is_refused_not_cut_short(
+def test_a_value_too_long_for_the_store_is_refused_not_cut_short(
     database: Database, token: str
 ) -> None:
-    """PostgreSQL refuses a node name over its varchar(128) (the bulk insert must not cut it
-    short): that batch alone is refused; SQLite has no lengths and stores it whole."""
+    """A node name over the store's varchar(128) (which the bulk insert must not cut short) is
+    refused before the group is written, on both stores: that batch alone, the group intact."""
     long_node = msgspec.structs.replace(_batch(2), node="n" * 200)
     posts = [(_batch(0), token), (_batch(1), token), (long_node, token)]
-    results = _submit_together(_committer(database), posts)
+    committer = _committer(database)
+    results = _submit_together(committer, posts)
     assert all(isinstance(r, BatchReply) for r in results[:2]), results
+    assert isinstance(results[2], IngestRefused) and results[2].status == 400, results[2]
+    assert "batch.node: 200 characters, over 128" in str(results[2])
+    assert (committer.groups, committer.fallbacks) == (1, 0)
     with database.session() as s:
-        nodes = set(s.scalars(select(RankHeartbeat.node)))
-    if database.dialect == "postgresql":
-        assert not isinstance(results[2], BatchReply)
-        assert nodes == {"n0", "n1"}
-    else:
-        assert isinstance(results[2], BatchReply)
-        assert nodes == {"n0", "n1", "n" * 200}
+        assert set(s.scalars(select(RankHeartbeat.node))) == {"n0", "n1"}
