@@ -74,6 +74,11 @@ class IngestServer:
         self._thread = ServerThread(self._server, "slurmft-ingest")
 
     @property
+    def committer(self) -> GroupCommitter:
+        """The writer the request threads hand their batches to (tests hold it: `hold`)."""
+        return self._committer
+
+    @property
     def url(self) -> str:
         host, port = self._server.server_address[:2]
         assert isinstance(host, str)  # an AF_INET address: (host, port)
