@@ -330,8 +330,14 @@ IMPOSSIBLE = {
     "event time 1e20": (_body(events=[{**_EVENT, "occurred_at": 1e20}]), 422),
     "event time a week ahead": (_body(events=[{**_EVENT, "occurred_at": NOW + 7 * 86400}]), 422),
     "rank 2**63": (_body(heartbeats=[{**_HB, "rank": 2**63}]), 422),
-    "step past int32": (_body(step_times=[{"rank": 3, "step": 2**31, "compute_s": 0.2,
-                                          "wait_s": 0.0, "ended_at": NOW}]), 422),  # fmt: skip
+    "step past int32": (
+        _body(
+            step_times=[
+                {"rank": 3, "step": 2**31, "compute_s": 0.2, "wait_s": 0.0, "ended_at": NOW}
+            ]
+        ),
+        422,
+    ),
     "sequence 2**63": (_body(seq=2**63), 400),
     "sequence 2**63-1": (_body(seq=2**63 - 1), 400),  # accepted, it froze the agent's cursor
     "batch time 1e20": (_body(sent_at=1e20), 400),
@@ -365,9 +371,13 @@ def test_impossible_values_with_a_valid_token_are_refused_with_a_4xx_not_a_500(
     for seq in (1, 2):
         assert post_batch(server, _batch(seq).to_json(), tokens["r1"]) == (
             200,
-            {"acked_seq": seq, "server_time": pytest.approx(time.time(), abs=60), "commands": [],
-             "v": 1},
-        )  # fmt: skip
+            {
+                "acked_seq": seq,
+                "server_time": pytest.approx(time.time(), abs=60),
+                "commands": [],
+                "v": 1,
+            },
+        )
     assert _count(database, StepTime) == 6
 
 
@@ -378,7 +388,7 @@ def test_a_content_length_that_is_not_ascii_digits_is_refused_not_a_500(
     request = (
         f"POST /v1/agent/batch HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {tokens['r1']}"
         "\r\nContent-Type: application/json\r\nContent-Length: ²\r\n\r\n{}"
-    ).encode()
+    ).encode("latin-1")  # as http.server reads headers
     status, body = post_raw(server, request)
     assert status == 411, body
 

@@ -67,39 +67,80 @@ def _valid(seq: int, node: str) -> dict[str, Any]:
         "seq": seq,
         "sent_at": NOW,
         "heartbeats": [
-            {"rank": r, "local_rank": r, "phase": "step", "step": seq, "progress_age_s": 0.1,
-             "deadline_s": 300.0, "overdue": False, "sent_at": NOW, "restart_count": 0, "pid": 7}
+            {
+                "rank": r,
+                "local_rank": r,
+                "phase": "step",
+                "step": seq,
+                "progress_age_s": 0.1,
+                "deadline_s": 300.0,
+                "overdue": False,
+                "sent_at": NOW,
+                "restart_count": 0,
+                "pid": 7,
+            }
             for r in (0, 1)
-        ],  # fmt: skip
+        ],
         "step_times": [
-            {"rank": 0, "step": seq, "compute_s": 0.2, "wait_s": 0.01, "ended_at": NOW,
-             "peer_group": "g"},
-        ],  # fmt: skip
+            {
+                "rank": 0,
+                "step": seq,
+                "compute_s": 0.2,
+                "wait_s": 0.01,
+                "ended_at": NOW,
+                "peer_group": "g",
+            },
+        ],
         "events": [
-            {"kind": "checkpoint", "occurred_at": NOW, "message": "saved", "rank": 0,
-             "fault_class": None, "details": {"step": seq, "path": "/ckpt/1"}},
-        ],  # fmt: skip
+            {
+                "kind": "checkpoint",
+                "occurred_at": NOW,
+                "message": "saved",
+                "rank": 0,
+                "fault_class": None,
+                "details": {"step": seq, "path": "/ckpt/1"},
+            },
+        ],
     }
 
 
 # Where a hostile value goes: a path into the valid batch.
-FIELDS: list[tuple[str | int, ...]] = [
-    (name,) for name in ("run_id", "agent_id", "node", "seq", "sent_at", "v")
-] + [
-    ("heartbeats", 1, name)
-    for name in ("rank", "local_rank", "phase", "step", "progress_age_s", "deadline_s",
-                 "overdue", "sent_at", "restart_count", "pid")
-] + [
-    ("step_times", 0, name)
-    for name in ("rank", "step", "compute_s", "wait_s", "ended_at", "peer_group")
-] + [
-    ("events", 0, name)
-    for name in ("kind", "occurred_at", "message", "rank", "fault_class", "details")
-] + [
-    ("events", 0, "details", "step"), ("events", 0, "details", "xid"),
-    ("events", 0, "details", "gpu_index"), ("events", 0, "details", "stacks"),
-    ("heartbeats",), ("events",), ("heartbeats", 0), ("events", 0),
-]  # fmt: skip
+FIELDS: list[tuple[str | int, ...]] = (
+    [(name,) for name in ("run_id", "agent_id", "node", "seq", "sent_at", "v")]
+    + [
+        ("heartbeats", 1, name)
+        for name in (
+            "rank",
+            "local_rank",
+            "phase",
+            "step",
+            "progress_age_s",
+            "deadline_s",
+            "overdue",
+            "sent_at",
+            "restart_count",
+            "pid",
+        )
+    ]
+    + [
+        ("step_times", 0, name)
+        for name in ("rank", "step", "compute_s", "wait_s", "ended_at", "peer_group")
+    ]
+    + [
+        ("events", 0, name)
+        for name in ("kind", "occurred_at", "message", "rank", "fault_class", "details")
+    ]
+    + [
+        ("events", 0, "details", "step"),
+        ("events", 0, "details", "xid"),
+        ("events", 0, "details", "gpu_index"),
+        ("events", 0, "details", "stacks"),
+        ("heartbeats",),
+        ("events",),
+        ("heartbeats", 0),
+        ("events", 0),
+    ]
+)
 
 
 def _nested(depth: int, leaf: bytes = b"1") -> bytes:
@@ -134,17 +175,22 @@ def _fragments() -> list[bytes]:
     table += [b"1e20", b"-1e20", b"1e308", b"1e999", b"-1e999", b"5e-324", b"-0.0", b"1" * 400]
     table += [b"0", b"-1", b"4102444801", b"1577836799", b"NaN", b"Infinity", b"0x10"]
     table += [str(rng.randrange(-(2**80), 2**80) >> rng.randrange(80)).encode() for _ in range(80)]
-    table += [repr(rng.uniform(-1, 1) * 10.0 ** rng.randrange(-300, 300)).encode()
-              for _ in range(40)]  # fmt: skip
+    table += [
+        repr(rng.uniform(-1, 1) * 10.0 ** rng.randrange(-300, 300)).encode() for _ in range(40)
+    ]
     # NUL bytes, lone surrogates, control characters
     table += [b'"a\\u0000b"', b'"\\ud800"', b'"\\udfff x"', b'"\\u0001"', b'"\x00"', b'"\n"']
     table += [b'{"k":"\\u0000"}', b'{"\\u0000":1}', b'["\\u0000"]']
-    table += [json.dumps(_small_json(rng) if rng.random() < 0.5 else "x" + "\x00").encode()
-              for _ in range(20)]  # fmt: skip
+    table += [
+        json.dumps(_small_json(rng) if rng.random() < 0.5 else "x" + "\x00").encode()
+        for _ in range(20)
+    ]
     # bytes that are not UTF-8
     table += [b'"\xff"', b'"\xc3"', b'"\xed\xa0\x80"', b'"\xf8\x88\x80\x80\x80"', b"\xff"]
-    table += [b'"' + bytes(rng.randrange(128, 256) for _ in range(rng.randrange(1, 9))) + b'"'
-              for _ in range(40)]  # fmt: skip
+    table += [
+        b'"' + bytes(rng.randrange(128, 256) for _ in range(rng.randrange(1, 9))) + b'"'
+        for _ in range(40)
+    ]
     # deep nesting
     table += [_nested(n) for n in (17, 64, 500, 1000, 5000, 20000)]
     table += [_array(n) for n in (17, 64, 1000, 5000)]

@@ -101,8 +101,9 @@ def _post(server: IngestServer, batch: AgentBatch, token: str) -> tuple[int, str
     host, port = server.url.removeprefix("http://").split(":")
     conn = http.client.HTTPConnection(host, int(port), timeout=10)
     try:
-        conn.request("POST", BATCH_PATH, body=batch.to_json(),
-                     headers={"Authorization": f"Bearer {token}"})  # fmt: skip
+        conn.request(
+            "POST", BATCH_PATH, body=batch.to_json(), headers={"Authorization": f"Bearer {token}"}
+        )
         response = conn.getresponse()
         return response.status, response.getheader("Retry-After"), response.read().decode()
     finally:
@@ -112,9 +113,13 @@ def _post(server: IngestServer, batch: AgentBatch, token: str) -> tuple[int, str
 def _batch(seq: int, events: int = 0) -> AgentBatch:
     now = time.time()
     return AgentBatch(
-        run_id="r1", agent_id="n1-a", node="n1", seq=seq, sent_at=now,
+        run_id="r1",
+        agent_id="n1-a",
+        node="n1",
+        seq=seq,
+        sent_at=now,
         events=tuple(AgentEvent("checkpoint", now, f"e{i}") for i in range(events)),
-    )  # fmt: skip
+    )
 
 
 def test_a_run_over_its_ingest_rate_is_answered_429_counted_and_recorded_once(

@@ -59,9 +59,7 @@ def store_state(database: Database) -> tuple[dict[str, int], dict[tuple[str, str
             table.name: s.execute(select(func.count()).select_from(table)).scalar_one()
             for table in Base.metadata.sorted_tables
         }
-        cursors = {
-            (c.run_id, c.agent_id): c.last_seq for c in s.scalars(select(AgentCursor))
-        }
+        cursors = {(c.run_id, c.agent_id): c.last_seq for c in s.scalars(select(AgentCursor))}
     return counts, cursors
 
 

@@ -42,9 +42,15 @@ def test_outage_keeps_the_batch_and_its_seq_until_acknowledged(controller: FakeC
     commands: list[Command] = []
     # No keepalive batch in between (a slow machine can spend its 2 s on the retries), so the
     # sequence numbers below are the two batches' own.
-    reporter = Reporter(HttpTransport(controller.url, "tok"), run_id="r1", node="n1",
-                        on_command=commands.append, interval_s=0.05, backoff_cap_s=0.2,
-                        keepalive_s=60)
+    reporter = Reporter(
+        HttpTransport(controller.url, "tok"),
+        run_id="r1",
+        node="n1",
+        on_command=commands.append,
+        interval_s=0.05,
+        backoff_cap_s=0.2,
+        keepalive_s=60,
+    )
     reporter.add(heartbeat(0, T0 + 1))
     reporter.add_event(event(1))
     reporter.start()
@@ -66,8 +72,13 @@ def test_outage_keeps_the_batch_and_its_seq_until_acknowledged(controller: FakeC
 def test_reply_commands_reach_the_agent(controller: FakeController) -> None:
     controller.order("n1", Command("leave", "node n1 cordoned"))
     commands: list[Command] = []
-    reporter = Reporter(HttpTransport(controller.url, "tok"), run_id="r1", node="n1",
-                        on_command=commands.append, interval_s=0.05)
+    reporter = Reporter(
+        HttpTransport(controller.url, "tok"),
+        run_id="r1",
+        node="n1",
+        on_command=commands.append,
+        interval_s=0.05,
+    )
     reporter.add_event(event(1))
     reporter.start()
     try:
@@ -81,8 +92,14 @@ def test_an_idle_agent_still_fetches_its_commands(controller: FakeController) ->
     """Nothing to report (a spare, frozen workers): empty batches every keepalive_s."""
     controller.order("n1", Command("restart_workers", "rank 1 silent"))
     commands: list[Command] = []
-    reporter = Reporter(HttpTransport(controller.url, "tok"), run_id="r1", node="n1",
-                        on_command=commands.append, interval_s=0.05, keepalive_s=0.1)
+    reporter = Reporter(
+        HttpTransport(controller.url, "tok"),
+        run_id="r1",
+        node="n1",
+        on_command=commands.append,
+        interval_s=0.05,
+        keepalive_s=0.1,
+    )
     reporter.start()
     try:
         wait_for(lambda: len(controller.accepted) >= 2, 10, "two batches", interval_s=POLL_S)
@@ -94,8 +111,13 @@ def test_an_idle_agent_still_fetches_its_commands(controller: FakeController) ->
 
 
 def test_a_rejected_batch_is_dropped_not_retried_forever(controller: FakeController) -> None:
-    reporter = Reporter(HttpTransport(controller.url, "wrong"), run_id="r1", node="n1",
-                        on_command=lambda c: None, interval_s=0.05)
+    reporter = Reporter(
+        HttpTransport(controller.url, "wrong"),
+        run_id="r1",
+        node="n1",
+        on_command=lambda c: None,
+        interval_s=0.05,
+    )
     reporter.add_event(event(1))
     assert reporter.send_once() is True
     assert reporter.counters.rejected_batches == 1 and reporter.pending() == 0
