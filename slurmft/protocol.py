@@ -323,6 +323,10 @@ def item_refusals(batch: AgentBatch, now: float | None = None) -> list[ItemRefus
     latest = _latest(now)
     refused: list[ItemRefusal] = []
     for items, problem_of in _ITEM_CHECKS.items():
+        if items == "heartbeats" and _heartbeats_fine(batch.heartbeats, latest):
+            continue  # the common case, checked in one pass
+        if items == "step_times" and _step_times_fine(batch.step_times, latest):
+            continue
         for index, item in enumerate(getattr(batch, items)):
             problem = problem_of(item, latest)
             if problem is not None:
@@ -333,6 +337,40 @@ def item_refusals(batch: AgentBatch, now: float | None = None) -> list[ItemRefus
                 continue
             refused.append(ItemRefusal(items, index, reason))
     return refused
+
+
+def _heartbeats_fine(heartbeats: Sequence[RankHeartbeat], latest: float) -> bool:
+    """Whether every heartbeat is within bounds: `_heartbeat_problem`'s checks in one pass (a
+    third of the cost), without saying which failed."""
+    big = 1.7e308
+    return all(
+        0 <= h.rank < MAX_WORLD_SIZE
+        and 0 <= h.local_rank < MAX_WORLD_SIZE
+        and -INT32 < h.step < INT32
+        and EARLIEST_TIME <= h.sent_at <= latest
+        and -big <= h.progress_age_s <= big
+        and -big <= h.deadline_s <= big
+        and 0 <= h.restart_count < INT32
+        and 0 <= h.pid < INT32
+        and len(h.phase) <= MAX_PHASE
+        and "\x00" not in h.phase
+        for h in heartbeats
+    )
+
+
+def _step_times_fine(step_times: Sequence[RankStepTime], latest: float) -> bool:
+    """As `_heartbeats_fine`, for `_step_time_problem`."""
+    big = 1.7e308
+    return all(
+        0 <= t.rank < MAX_WORLD_SIZE
+        and -INT32 < t.step < INT32
+        and EARLIEST_TIME <= t.ended_at <= latest
+        and -big <= t.compute_s <= big
+        and -big <= t.wait_s <= big
+        and len(t.peer_group) <= MAX_PEER_GROUP
+        and "\x00" not in t.peer_group
+        for t in step_times
+    )
 
 
 def _latest(now: float | None) -> float:

@@ -7,7 +7,10 @@ from datetime import UTC, datetime
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from slurmft import protocol
 from slurmft.controller.ingest import heartbeat_reports, step_time_reports
 from slurmft.protocol import (
     AgentBatch,
@@ -123,3 +126,39 @@ def test_conversion_to_store_reports() -> None:
     (st,) = step_time_reports(batch())
     assert (st.rank, st.step, st.compute_s, st.wait_s) == (2, 17, 0.2, 0.05)
     assert st.ended_at.tzinfo is UTC
+
+
+_ints = st.one_of(st.integers(-(2**64), 2**64), st.sampled_from([0, -1, 2**20, 2**31, 2**62]))
+_floats = st.one_of(
+    st.floats(allow_nan=True), st.sampled_from([T0, 1.5e9, 4.2e9, 1e20, float("inf")])
+)
+_texts = st.text(max_size=70)
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(
+    st.builds(
+        RankHeartbeat,
+        _ints,
+        _ints,
+        _texts,
+        _ints,
+        _floats,
+        _floats,
+        st.booleans(),
+        _floats,
+        _ints,
+        _ints,
+    ),
+    st.builds(RankStepTime, _ints, _ints, _floats, _floats, _floats, _texts),
+)
+def test_the_one_pass_bounds_check_agrees_with_the_one_that_names_the_field(
+    heartbeat: RankHeartbeat, step_time: RankStepTime
+) -> None:
+    latest = T0 + 86_400
+    assert protocol._heartbeats_fine([heartbeat], latest) == (
+        protocol._heartbeat_problem(heartbeat, latest) is None
+    )
+    assert protocol._step_times_fine([step_time], latest) == (
+        protocol._step_time_problem(step_time, latest) is None
+    )
