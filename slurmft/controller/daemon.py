@@ -271,7 +271,7 @@ class Daemon:
             sample_every=timedelta(seconds=self.settings.retention.heartbeat_sample_s),
             clock=self.clock,
             observe=self.metrics.observe_ingest,
-            limits=RateLimits.from_settings(self.settings.daemon),
+            rate_limits=RateLimits.from_settings(self.settings.daemon),
         ).start()
         self._rpc = RpcServer(
             self.config.runtime_dir / SOCKET_NAME,

@@ -51,13 +51,13 @@ class IngestServer:
         sample_every: timedelta = timedelta(seconds=60),
         clock: Callable[[], datetime] = lambda: datetime.now(UTC),
         observe: Callable[[int, float], None] | None = None,
-        limits: RateLimits | None = None,
+        rate_limits: RateLimits | None = None,
     ) -> None:
         self._committer = GroupCommitter(
             database,
             clock=clock,
             sample_every=sample_every,
-            limiter=IngestLimiter(limits or RateLimits()),
+            limiter=IngestLimiter(rate_limits or RateLimits()),
         )
         handler = type(
             "Handler",

@@ -292,7 +292,7 @@ def record_refusal(
     """The audit row of a refusal by a quota or a rate limit: an action that names the user."""
     action = plan_action(
         session,
-        ActionKind.REFUSE,
+        ActionKind.REFUSE_REQUEST,
         reason,
         run_id=run_id,
         node=node,

@@ -27,7 +27,7 @@ ALICE, BOB = 15001, 15002  # no passwd entries: their user names read as the uid
 
 def _refusals(database: Database) -> list[Action]:
     with database.session() as s:
-        return list(s.scalars(select(Action).where(Action.kind == ActionKind.REFUSE)))
+        return list(s.scalars(select(Action).where(Action.kind == ActionKind.REFUSE_REQUEST)))
 
 
 def _refused(metrics: DaemonMetrics, limit: str) -> float:
@@ -89,7 +89,7 @@ def limited(
         database,
         observe=metrics.observe_ingest,
         # A burst of two batches and two events, then one of each per 100 s.
-        limits=RateLimits(batches_per_s=0.01, events_per_s=0.01, burst_s=200.0),
+        rate_limits=RateLimits(batches_per_s=0.01, events_per_s=0.01, burst_s=200.0),
     ).start()
     try:
         yield server, token, metrics
