@@ -16,6 +16,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from slurmft.controller.detect import RankBeat, RankCompute
+from slurmft.controller.intents import settle_interrupted
 from slurmft.controller.reconcile import reconcile
 from slurmft.controller.restarts import restart_evidence
 from slurmft.controller.step_window import StepWindows
@@ -201,6 +202,10 @@ def observe(
     """The observe stage of a control pass: ask Slurm (`read_slurm`), record what it says about
     the tracked jobs (`reconcile`, the one writer), then read everything ``decide`` needs
     (`gather`). Slurm unreachable: nothing recorded, a view that decides nothing."""
+    try:
+        settle_interrupted(session, slurm)  # before the attempts are read: it may open one
+    except (SlurmUnreachable, SlurmTimeout):
+        return ClusterView(now=now, slurm_reachable=False)
     snapshot = read_slurm(session, slurm)
     if snapshot is None:
         return ClusterView(now=now, slurm_reachable=False)

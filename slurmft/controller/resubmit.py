@@ -46,6 +46,7 @@ def submission_record(request: SubmitRequest, *, workdir: str, path: str) -> dic
     kept: a resubmission excludes the denylist of its own day)."""
     record = asdict(request)
     record["exclude"] = []
+    del record["action_id"]  # each resubmission is tagged with its own action
     record["workdir"] = request.workdir or workdir
     record["path"] = path
     return record
@@ -53,7 +54,7 @@ def submission_record(request: SubmitRequest, *, workdir: str, path: str) -> dic
 
 def request_from_record(record: Mapping[str, Any], exclude: Sequence[str]) -> SubmitRequest:
     """The recorded job with these nodes excluded; a malformed record raises SubmissionError."""
-    known = {f.name for f in fields(SubmitRequest)}
+    known = {f.name for f in fields(SubmitRequest)} - {"action_id"}  # never the record's
     try:
         request = SubmitRequest(**{k: v for k, v in record.items() if k in known})
     except TypeError as exc:
@@ -129,13 +130,15 @@ class OwnerSubmitter:
         self._timeout_s = timeout_s
         self._uid = os.geteuid() if daemon_uid is None else daemon_uid
 
-    def __call__(self, run: Run, exclude: frozenset[str]) -> str:
+    def __call__(self, run: Run, exclude: frozenset[str], action_id: int) -> str:
         if run.submission is None:
             raise SubmissionError(
                 f"no submission is recorded for run {run.id} (submitted before slurmft kept "
                 f"them?); {WAITING_FOR_OWNER} to submit it again"
             )
-        request = request_from_record(run.submission, sorted(exclude))
+        request = replace(
+            request_from_record(run.submission, sorted(exclude)), action_id=action_id
+        )
         client = CliSlurmClient(self._runner(run, run.submission), timeout_s=self._timeout_s)
         return client.submit(request)
 

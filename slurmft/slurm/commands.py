@@ -44,7 +44,7 @@ def submit_argv(request: SubmitRequest) -> list[str]:
         "sbatch",
         "--parsable",
         f"--job-name={script.check_job_name(request.job_name)}",
-        f"--comment={script.comment_for_run(request.run_id)}",
+        f"--comment={script.comment_for_run(request.run_id, request.action_id)}",
         f"--nodes={request.total_nodes}",
         "--requeue" if request.requeue else "--no-requeue",
     ]
@@ -74,6 +74,13 @@ def squeue_argv(job_ids: Sequence[str]) -> list[str]:
     """All the jobs in one call: polling per job multiplies the load on slurmctld."""
     ids = ",".join(check_job_id(job_id) for job_id in job_ids)
     return ["squeue", "--noheader", "--states=all", f"--jobs={ids}", f"--format={SQUEUE_FORMAT}"]
+
+
+def squeue_user_argv(uid: int) -> list[str]:
+    """Every job of one user that slurmctld still knows, in the same format as `squeue_argv`."""
+    if isinstance(uid, bool) or not isinstance(uid, int) or not 0 <= uid < 2**32:
+        raise SlurmBadRequest(f"not a user id: {uid!r}")
+    return ["squeue", "--noheader", "--states=all", f"--user={uid}", f"--format={SQUEUE_FORMAT}"]
 
 
 def show_job_argv(job_id: str) -> list[str]:

@@ -24,6 +24,8 @@ _SIGNAL = re.compile(r"^([BR]{1,2}:)?(SIG)?[A-Z0-9]{1,8}(@\d{1,6})?$")
 _TIME_LIMIT = re.compile(r"^(UNLIMITED|INFINITE|\d+(-\d+)?(:\d+){0,2})$")
 _PARTITION = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 _COMMENT_PREFIX = "slurmft-run:"
+_ACTION_SEPARATOR = " "
+_ACTION_PREFIX = "slurmft-action:"
 MAX_REASON_CHARS = 256
 
 
@@ -39,18 +41,33 @@ def check_job_name(name: str) -> str:
     return name
 
 
-def comment_for_run(run_id: str) -> str:
-    """The --comment that tags a job with its run: `slurmft-run:<run id>`."""
+def comment_for_run(run_id: str, action_id: int | None = None) -> str:
+    """The --comment that tags a job with its run: `slurmft-run:<run id>`; a job the daemon
+    submits carries the id of the action that submitted it too (`slurmft-action:<id>`), so a
+    daemon that stopped before it recorded sbatch's answer finds the job instead of submitting
+    another (slurmft.controller.intents)."""
     if not _RUN_ID.match(run_id):
         raise SlurmBadRequest(f"run id {run_id!r} must match [A-Za-z0-9_.-]{{1,64}}")
-    return _COMMENT_PREFIX + run_id
+    if action_id is None:
+        return _COMMENT_PREFIX + run_id
+    return f"{_COMMENT_PREFIX}{run_id}{_ACTION_SEPARATOR}{_ACTION_PREFIX}{int(action_id)}"
 
 
 def run_id_from_comment(comment: str) -> str | None:
-    if not comment.startswith(_COMMENT_PREFIX):
+    head = comment.split(_ACTION_SEPARATOR, 1)[0]
+    if not head.startswith(_COMMENT_PREFIX):
         return None
-    run_id = comment.removeprefix(_COMMENT_PREFIX)
+    run_id = head.removeprefix(_COMMENT_PREFIX)
     return run_id if _RUN_ID.match(run_id) else None
+
+
+def action_id_from_comment(comment: str) -> int | None:
+    """The id of the daemon's action that submitted the job, when it did."""
+    _, _, tail = comment.partition(_ACTION_SEPARATOR)
+    if run_id_from_comment(comment) is None or not tail.startswith(_ACTION_PREFIX):
+        return None
+    digits = tail.removeprefix(_ACTION_PREFIX)
+    return int(digits) if digits.isascii() and digits.isdigit() and len(digits) <= 18 else None
 
 
 def not_the_runs_job(job: JobInfo, run_id: str, owner_uid: int) -> str | None:

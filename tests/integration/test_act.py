@@ -212,7 +212,7 @@ def test_resubmit_opens_the_next_attempt_with_the_new_job(
     seed_run(database, "r2", job_id="7")
     submitted: list[tuple[str, frozenset[str]]] = []
 
-    def submit(run: Run, exclude: frozenset[str]) -> str:
+    def submit(run: Run, exclude: frozenset[str], action_id: int) -> str:
         submitted.append((run.id, exclude))
         return "8"
 
@@ -237,7 +237,7 @@ def test_a_failed_submission_charges_nothing_until_a_job_exists(
         "r3", "job 7 ended (failed)", exclude=frozenset(), restarts_without_progress=3
     )
 
-    def refused(run: Run, exclude: frozenset[str]) -> str:
+    def refused(run: Run, exclude: frozenset[str], action_id: int) -> str:
         raise SlurmUnreachable("slurmctld not responding")
 
     (outcome,) = Executor(database, RecordingSlurm(), submit_attempt=refused).execute([action])  # type: ignore[arg-type]
@@ -246,7 +246,7 @@ def test_a_failed_submission_charges_nothing_until_a_job_exists(
         run = s.get(Run, "r3")
         assert run is not None and run.restarts_without_progress == 0
 
-    Executor(database, RecordingSlurm(), submit_attempt=lambda run, exclude: "8").execute([action])  # type: ignore[arg-type]
+    Executor(database, RecordingSlurm(), submit_attempt=lambda run, exclude, action_id: "8").execute([action])  # type: ignore[arg-type]
     with database.session() as s:
         run = s.get(Run, "r3")
         assert run is not None and run.restarts_without_progress == 3
