@@ -35,14 +35,12 @@ from slurmft.db.models import (
     Action,
     ActionKind,
     ActionStatus,
-    Attempt,
     Event,
     EventKind,
     Run,
-    utcnow,
 )
 from slurmft.db.records import denylist_add, finish_action, plan_action, record_event
-from slurmft.db.states import AttemptState, RunState
+from slurmft.db.states import RunState
 from slurmft.errors import SlurmftError
 from slurmft.slurm.api import SlurmClient, SlurmError, SlurmJobNotFound, SlurmPermissionDenied
 from slurmft.slurm.script import not_the_runs_job
@@ -139,8 +137,9 @@ class Executor:
         if observe_only and _skipped_before(session, kind, node, action):
             # Nothing changes when nothing is done: the same decision comes every pass.
             return Outcome(action, ActionStatus.SKIPPED, OBSERVE_ONLY)
+        evidence = _evidence(action)
         row = plan_action(
-            session, kind, action.reason, run_id=action.run_id, node=node, evidence=_evidence(action)
+            session, kind, action.reason, run_id=action.run_id, node=node, evidence=evidence
         )
         if observe_only:
             finish_action(row, ActionStatus.SKIPPED, error=OBSERVE_ONLY)

@@ -246,7 +246,10 @@ def test_a_failed_submission_charges_nothing_until_a_job_exists(
         run = s.get(Run, "r3")
         assert run is not None and run.restarts_without_progress == 0
 
-    Executor(database, RecordingSlurm(), submit_attempt=lambda run, exclude, action_id: "8").execute([action])  # type: ignore[arg-type]
+    def submitted(run: Run, exclude: frozenset[str], action_id: int) -> str:
+        return "8"
+
+    Executor(database, RecordingSlurm(), submit_attempt=submitted).execute([action])  # type: ignore[arg-type]
     with database.session() as s:
         run = s.get(Run, "r3")
         assert run is not None and run.restarts_without_progress == 3
