@@ -136,9 +136,7 @@ class OwnerSubmitter:
                 f"no submission is recorded for run {run.id} (submitted before slurmft kept "
                 f"them?); {WAITING_FOR_OWNER} to submit it again"
             )
-        request = replace(
-            request_from_record(run.submission, sorted(exclude)), action_id=action_id
-        )
+        request = replace(request_from_record(run.submission, sorted(exclude)), action_id=action_id)
         client = CliSlurmClient(self._runner(run, run.submission), timeout_s=self._timeout_s)
         return client.submit(request)
 
