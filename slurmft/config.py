@@ -327,6 +327,11 @@ class DaemonSection(Section):
         minimum=0.5,
     )
     observe_only: bool = setting_field(False, "Decide and record actions but execute none of them.")
+    admin_group: str = setting_field(
+        "",
+        "A Unix group whose members are the daemon's admins, as root is: they see every run and "
+        "may cancel any (docs/install.md, 'Security model'). Empty: root only.",
+    )
     stuck_after_passes: int = setting_field(
         24,
         "The main loop counts as stuck when no control pass has ended for this many poll "

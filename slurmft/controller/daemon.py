@@ -35,6 +35,7 @@ from apscheduler.schedulers.background import BackgroundScheduler
 from slurmft.config import Config, ConfigError
 from slurmft.controller import views as v
 from slurmft.controller.act import Executor, Outcome
+from slurmft.controller.admins import Admins
 from slurmft.controller.decide import Policy, decide
 from slurmft.controller.health import LoopLiveness, OpsServer, check_health
 from slurmft.controller.http import IngestServer
@@ -273,7 +274,12 @@ class Daemon:
         ).start()
         self._rpc = RpcServer(
             self.config.runtime_dir / SOCKET_NAME,
-            operations(self.database, slurm=self.slurm, controller_url=self._agents_url()),
+            operations(
+                self.database,
+                slurm=self.slurm,
+                controller_url=self._agents_url(),
+                admins=Admins(self.config.settings.daemon.admin_group),
+            ),
         ).start()
         host, port = _host_port(self.settings.daemon.metrics_listen, "daemon.metrics_listen")
         self._ops = OpsServer(

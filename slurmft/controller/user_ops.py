@@ -1,7 +1,8 @@
 """What users may ask the daemon over the unix socket, scoped to the caller's uid.
 
-A user sees and acts on their own runs only; root sees all. A run that exists but belongs to
-someone else gets the same answer as one that does not exist.
+A user sees and acts on their own runs only; an admin (root, or a member of
+``daemon.admin_group``: slurmft.controller.admins) sees and may cancel all. A run that exists
+but belongs to someone else gets the same answer as one that does not exist.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from slurmft.controller.admins import ROOT_ONLY, Admins
 from slurmft.controller.ingest import new_run_token
 from slurmft.controller.resubmit import SubmissionError, check_record
 from slurmft.controller.rpc import Operation, RpcError
@@ -24,14 +26,12 @@ from slurmft.db.states import RunState
 from slurmft.slurm.api import SlurmClient, SlurmError, SlurmJobNotFound
 from slurmft.slurm.script import not_the_runs_job
 
-ROOT_UID = 0
 
-
-def _visible(session: Session, uid: int, run_id: object) -> Run:
+def _visible(session: Session, uid: int, run_id: object, admins: Admins) -> Run:
     if not isinstance(run_id, str):
         raise RpcError("a run id is required")
     run = session.get(Run, run_id)
-    if run is None or uid not in (ROOT_UID, run.owner_uid):
+    if run is None or (uid != run.owner_uid and uid not in admins):
         raise RpcError(f"no run {run_id} visible to you (see `slurmft runs`)")
     return run
 
@@ -117,7 +117,7 @@ def _slurm_says_is_the_runs(slurm: SlurmClient, job_id: str, run: Run) -> None:
 
 
 def _attach_job(
-    database: Database, slurm: SlurmClient, uid: int, args: Mapping[str, Any]
+    database: Database, slurm: SlurmClient, uid: int, args: Mapping[str, Any], admins: Admins
 ) -> dict[str, Any]:
     """The job `slurmft submit` made for a run becomes its next attempt, once Slurm confirms
     it is the caller's job for that run."""
@@ -127,10 +127,10 @@ def _attach_job(
     job_id = job_id.strip()
     submission = _submission_arg(args)
     with database.session() as session:
-        claimed = _visible(session, uid, args.get("run_id"))
+        claimed = _visible(session, uid, args.get("run_id"), admins)
     _slurm_says_is_the_runs(slurm, job_id, claimed)  # outside a transaction: Slurm may be slow
     with database.session() as session:
-        run = _visible(session, uid, claimed.id)
+        run = _visible(session, uid, claimed.id, admins)
         number = (_latest_attempt(session, run.id) or Attempt(number=0)).number + 1
         session.add(Attempt(run_id=run.id, number=number, slurm_job_id=job_id))
         if submission is not None:  # what a resubmission sends again (controller.resubmit)
@@ -139,10 +139,15 @@ def _attach_job(
 
 
 def operations(
-    database: Database, *, slurm: SlurmClient, controller_url: str = ""
+    database: Database,
+    *,
+    slurm: SlurmClient,
+    controller_url: str = "",
+    admins: Admins = ROOT_ONLY,
 ) -> dict[str, Operation]:
     """The daemon's user-facing operations, bound to its store, to Slurm (to check what users
-    claim about jobs) and, for new runs, to the URL its agents report to."""
+    claim about jobs), to who its admins are and, for new runs, to the URL its agents report
+    to."""
 
     def create_run(uid: int, args: Mapping[str, Any]) -> dict[str, Any]:
         spec = RunSpec.from_dict(dict(args.get("spec") or {}))
@@ -169,11 +174,11 @@ def operations(
             }
 
     def attach_job(uid: int, args: Mapping[str, Any]) -> dict[str, Any]:
-        return _attach_job(database, slurm, uid, args)
+        return _attach_job(database, slurm, uid, args, admins)
 
     def fail_run(uid: int, args: Mapping[str, Any]) -> dict[str, Any]:
         with database.session() as session:
-            run = _visible(session, uid, args.get("run_id"))
+            run = _visible(session, uid, args.get("run_id"), admins)
             if run.state is RunState.PENDING:
                 run.state = RunState.FAILED
                 run.end_reason = str(args.get("reason") or "submission failed")[:2000]
@@ -182,13 +187,13 @@ def operations(
     def runs(uid: int, args: Mapping[str, Any]) -> list[dict[str, Any]]:
         with database.session() as session:
             query = select(Run).order_by(Run.created_at.desc())
-            if uid != ROOT_UID:
+            if uid not in admins:
                 query = query.where(Run.owner_uid == uid)
             return [_summary(session, run) for run in session.scalars(query)]
 
     def status(uid: int, args: Mapping[str, Any]) -> dict[str, Any]:
         with database.session() as session:
-            run = _visible(session, uid, args.get("run_id"))
+            run = _visible(session, uid, args.get("run_id"), admins)
             recent = session.scalars(
                 select(Action).where(Action.run_id == run.id).order_by(Action.id.desc()).limit(10)
             ).all()
@@ -210,7 +215,7 @@ def operations(
         if not isinstance(limit, int) or limit < 1:
             raise RpcError("limit must be a positive whole number")
         with database.session() as session:
-            run = _visible(session, uid, args.get("run_id"))
+            run = _visible(session, uid, args.get("run_id"), admins)
             rows = session.scalars(
                 select(Event)
                 .where(Event.run_id == run.id)
@@ -231,7 +236,7 @@ def operations(
 
     def cancel(uid: int, args: Mapping[str, Any]) -> dict[str, Any]:
         with database.session() as session:
-            run = _visible(session, uid, args.get("run_id"))
+            run = _visible(session, uid, args.get("run_id"), admins)
             if run.state.is_terminal:
                 raise RpcError(f"run {run.id} already ended ({run.state.value})")
             if run.cancel_requested_at is None:
