@@ -51,6 +51,7 @@ from slurmft.db.records import (
 from slurmft.db.states import AttemptState, RunState
 from slurmft.errors import SlurmftError
 from slurmft.slurm.api import SlurmClient, SlurmError, SlurmJobNotFound, SlurmPermissionDenied
+from slurmft.slurm.names import check_node_name
 from slurmft.slurm.script import not_the_runs_job, slurm_reason
 
 log = logging.getLogger(__name__)
@@ -225,6 +226,7 @@ class Executor:
                     # Slurm first: a drain this daemon may not do (or Slurm refuses) leaves no
                     # global denylist entry behind, only its skipped or failed row. Slurm gets
                     # the reason cut to its limit; the action row keeps it whole.
+                    check_node_name(node)  # refused before Slurm, or the denylist, sees it
                     self._slurm.drain(node, slurm_reason(action.reason))
                     denylist_add(session, node, action.reason)
 
@@ -234,7 +236,7 @@ class Executor:
                 return (
                     ActionKind.EVICT_NODE,
                     node,
-                    lambda: self._slurm.down(node, slurm_reason(action.reason)),
+                    lambda: self._slurm.down(check_node_name(node), slurm_reason(action.reason)),
                 )
             case v.RestartWorkers(node=node):
                 return ActionKind.RESTART_WORKERS, node, None
