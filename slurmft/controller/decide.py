@@ -154,7 +154,7 @@ def _undecided(run: RunView, exc: Exception) -> list[Action]:
     error = f"{type(exc).__name__}: {exc}"
     return _event(
         run,
-        f"decide-error:{error}"[:200],
+        f"decide-error:{type(exc).__name__}",  # not the message: it may differ every pass
         reason=f"control pass: deciding failed: {error}",
         kind=EventKind.CONTROL_ERROR,
         fault_class=FaultClass.INFRASTRUCTURE,
