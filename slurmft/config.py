@@ -412,6 +412,13 @@ class PolicySection(Section):
         "evicts it from a --no-kill job. Agents report at least every 2 s (a keep-alive).",
         minimum=5.0,
     )
+    restart_command_ttl_s: float = setting_field(
+        120.0,
+        "A worker restart decided for a node (a hang, a restart-class GPU fault) waits for the "
+        "node's agent to fetch it with its next report; not fetched within this many seconds, "
+        "it expires (recorded as skipped, 'expired') and is never delivered late.",
+        minimum=5.0,
+    )
 
 
 class TrustSection(Section):

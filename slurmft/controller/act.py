@@ -23,6 +23,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
@@ -30,7 +32,7 @@ from sqlalchemy.orm import Session
 from slurmft.controller import views as v
 from slurmft.controller.intents import open_resubmitted_attempt
 from slurmft.controller.resubmit import WAITING_FOR_OWNER, SubmissionError
-from slurmft.db import Database
+from slurmft.db import Database, DatabaseUnavailable
 from slurmft.db.models import (
     Action,
     ActionKind,
@@ -39,15 +41,22 @@ from slurmft.db.models import (
     EventKind,
     Run,
 )
-from slurmft.db.records import denylist_add, finish_action, plan_action, record_event
+from slurmft.db.records import OBSERVE_ONLY as OBSERVE_ONLY
+from slurmft.db.records import (
+    denylist_add,
+    expire_planned_restarts,
+    finish_action,
+    plan_action,
+    record_control_error,
+    record_event,
+)
 from slurmft.db.states import RunState
 from slurmft.errors import SlurmftError
 from slurmft.slurm.api import SlurmClient, SlurmError, SlurmJobNotFound, SlurmPermissionDenied
-from slurmft.slurm.script import not_the_runs_job
+from slurmft.slurm.names import check_node_name
+from slurmft.slurm.script import not_the_runs_job, slurm_reason
 
 log = logging.getLogger(__name__)
-
-OBSERVE_ONLY = "observe-only mode: decided and recorded, not executed"
 
 
 @dataclass(frozen=True)
@@ -89,7 +98,16 @@ class Executor:
         metrics then agree with the store at every moment, not only after the whole pass."""
         outcomes = []
         for action in actions:
-            outcome = self._execute_one(action)
+            try:
+                outcome = self._execute_one(action)
+            except DatabaseUnavailable:
+                raise  # the store is gone: the pass ends here, for everyone, and is retried
+            except Exception as exc:
+                # A bug or bad data in this run's action (a malformed record, a value nobody
+                # expected) before its intent was recorded: its transaction rolled back; it is
+                # recorded as failed on its run, and the other runs' actions go on.
+                _log_failure(action, exc)
+                outcome = self._record_failure(action, exc)
             log.info(
                 "%s %s: %s (%s)",
                 type(action).__name__,
@@ -110,8 +128,59 @@ class Executor:
             intent = self._intend(session, action)
         if isinstance(intent, Outcome):
             return intent
+        try:
+            with self._db.session() as session:
+                return self._carry_out(session, action, intent)
+        except DatabaseUnavailable:
+            raise  # the row stays planned: the next pass settles it (controller.intents)
+        except Exception as exc:
+            _log_failure(action, exc)
+            return self._fail_planned(action, intent, exc)
+
+    def _fail_planned(self, action: v.Action, row_id: int, exc: Exception) -> Outcome:
+        """The effect raised what nobody expected: its planned row fails with the error."""
+        error = _internal_error(exc)
         with self._db.session() as session:
-            return self._carry_out(session, action, intent)
+            row = session.get(Action, row_id)
+            if row is not None and row.status is ActionStatus.PLANNED:
+                finish_action(row, ActionStatus.FAILED, error=error)
+        return Outcome(action, ActionStatus.FAILED, error)
+
+    def _record_failure(self, action: v.Action, exc: Exception) -> Outcome:
+        """The action's row, failed with the error (an event row for a recording that failed),
+        in a transaction of its own."""
+        error = _internal_error(exc)
+        key = action.evidence.get("key")
+        # The evidence itself may be what failed (a value JSON cannot hold): then only its key.
+        for evidence in (action.evidence, {"key": key} if isinstance(key, str) else {}):
+            try:
+                with self._db.session() as session:
+                    self._record_failed_row(session, action, error, evidence)
+                break
+            except DatabaseUnavailable:
+                raise
+            except Exception:
+                log.exception("could not record the failure of %s", type(action).__name__)
+        return Outcome(action, ActionStatus.FAILED, error)
+
+    def _record_failed_row(
+        self, session: Session, action: v.Action, error: str, evidence: dict[str, Any]
+    ) -> None:
+        if isinstance(action, v.RecordEvent | v.RecordRestarts):
+            record_control_error(session, action.run_id, type(action).__name__, error)
+            return
+        kind, node, _ = self._plan(session, action)
+        row = plan_action(
+            session, kind, action.reason, run_id=action.run_id, node=node, evidence=evidence
+        )
+        finish_action(row, ActionStatus.FAILED, error=error)
+
+    def expire_commands(self, now: datetime, ttl: timedelta) -> int:
+        """Planned agent commands (restart your workers) not delivered within ``ttl`` are
+        finished as skipped, "expired": a restart decided minutes ago is never done late, when
+        the finding it answered may be long gone. Returns how many expired."""
+        with self._db.session() as session:
+            return expire_planned_restarts(session, older_than=now - ttl)
 
     def _intend(self, session: Session, action: v.Action) -> Outcome | int:
         """Record the action: its outcome when recording is all there is to it, else the id
@@ -186,13 +255,21 @@ class Executor:
             case v.DrainNode(node=node):
 
                 def drain() -> None:
+                    # Slurm first: a drain this daemon may not do (or Slurm refuses) leaves no
+                    # global denylist entry behind, only its skipped or failed row. Slurm gets
+                    # the reason cut to its limit; the action row keeps it whole.
+                    check_node_name(node)  # refused before Slurm, or the denylist, sees it
+                    self._slurm.drain(node, slurm_reason(action.reason))
                     denylist_add(session, node, action.reason)
-                    self._slurm.drain(node, action.reason)
 
                 return ActionKind.DRAIN_NODE, node, drain
             case v.EvictNode(node=node):
                 # DOWN takes the node out of a running --no-kill job (docs/slurm.md).
-                return ActionKind.EVICT_NODE, node, lambda: self._slurm.down(node, action.reason)
+                return (
+                    ActionKind.EVICT_NODE,
+                    node,
+                    lambda: self._slurm.down(check_node_name(node), slurm_reason(action.reason)),
+                )
             case v.RestartWorkers(node=node):
                 return ActionKind.RESTART_WORKERS, node, None
             case v.RequeueJob(job_id=requeued, exclude=exclude):
@@ -298,6 +375,20 @@ def _skipped_before(session: Session, kind: ActionKind, node: str | None, action
         .limit(1)
     ).first()
     return found is not None
+
+
+def _log_failure(action: v.Action, exc: Exception) -> None:
+    log.exception(
+        "%s of run %s failed: %s",
+        type(action).__name__,
+        action.run_id,
+        exc,
+        extra={"run_id": action.run_id},
+    )
+
+
+def _internal_error(exc: Exception) -> str:
+    return f"internal error: {type(exc).__name__}: {exc}"
 
 
 def _evidence(action: v.Action) -> dict[str, object]:

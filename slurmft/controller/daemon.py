@@ -123,6 +123,7 @@ class Daemon:
             else None
         )
         self.clock = clock
+        self._restart_ttl = timedelta(seconds=settings.policy.restart_command_ttl_s)
         # The straggler window's step times, read incrementally from one pass to the next.
         self.step_windows = StepWindows()
         self.passes = 0
@@ -156,6 +157,8 @@ class Daemon:
                     buckets=self.policy.straggler_window_buckets,
                     steps=self.step_windows,
                 )
+            # Before this pass plans new ones: a worker restart nobody fetched in time is void.
+            self.executor.expire_commands(self.clock(), self._restart_ttl)
         except DatabaseUnavailable as exc:
             log.warning("control pass skipped: %s", exc)
             self.skipped_because = "store"
@@ -271,6 +274,7 @@ class Daemon:
             sample_every=timedelta(seconds=self.settings.retention.heartbeat_sample_s),
             clock=self.clock,
             observe=self.metrics.observe_ingest,
+            restart_ttl=self._restart_ttl,
         ).start()
         self._rpc = RpcServer(
             self.config.runtime_dir / SOCKET_NAME,

@@ -26,7 +26,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
-from slurmft.controller.ingest import IngestRefused, ingest_batches
+from slurmft.controller.ingest import RESTART_COMMAND_TTL, IngestRefused, ingest_batches
 from slurmft.db import Database, DatabaseUnavailable
 from slurmft.protocol import AgentBatch, BatchReply
 
@@ -58,10 +58,12 @@ class GroupCommitter:
         clock: Callable[[], datetime],
         sample_every: timedelta,
         max_group: int = MAX_GROUP_BATCHES,
+        restart_ttl: timedelta = RESTART_COMMAND_TTL,
     ) -> None:
         self.database = database
         self.clock = clock
         self.sample_every = sample_every
+        self.restart_ttl = restart_ttl
         self.max_group = max_group
         self._queue: queue.SimpleQueue[_Post | object] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="slurmft-ingest-writer", daemon=True)
@@ -143,6 +145,7 @@ class GroupCommitter:
                     [(post.batch, post.token) for post in group],
                     now=self.clock(),
                     sample_every=self.sample_every,
+                    restart_ttl=self.restart_ttl,
                 )
         except DatabaseUnavailable as error:  # every batch would fail alike: say so at once
             for post in group:

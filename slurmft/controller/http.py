@@ -20,7 +20,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from sqlalchemy.exc import IntegrityError
 
 from slurmft.controller.group_commit import GroupCommitter
-from slurmft.controller.ingest import IngestRefused
+from slurmft.controller.ingest import RESTART_COMMAND_TTL, IngestRefused
 from slurmft.controller.serving import ServerThread
 from slurmft.db import Database, DatabaseUnavailable
 from slurmft.protocol import (
@@ -48,8 +48,11 @@ class IngestServer:
         sample_every: timedelta = timedelta(seconds=60),
         clock: Callable[[], datetime] = lambda: datetime.now(UTC),
         observe: Callable[[int, float], None] | None = None,
+        restart_ttl: timedelta = RESTART_COMMAND_TTL,
     ) -> None:
-        self._committer = GroupCommitter(database, clock=clock, sample_every=sample_every)
+        self._committer = GroupCommitter(
+            database, clock=clock, sample_every=sample_every, restart_ttl=restart_ttl
+        )
         handler = type(
             "Handler",
             (_Handler,),

@@ -24,6 +24,7 @@ from slurmft.db.models import Action, ActionKind, Attempt, Event, Run, utcnow
 from slurmft.db.records import denied_nodes
 from slurmft.db.states import RunState
 from slurmft.slurm.api import SlurmClient, SlurmError, SlurmJobNotFound
+from slurmft.slurm.commands import is_job_id
 from slurmft.slurm.script import not_the_runs_job
 
 
@@ -125,6 +126,8 @@ def _attach_job(
     if not isinstance(job_id, str) or not job_id.strip():
         raise RpcError("a Slurm job id is required")
     job_id = job_id.strip()
+    if not is_job_id(job_id):  # stored, it would be asked of Slurm on every control pass
+        raise RpcError(f"not a Slurm job id: {job_id!r} (e.g. 1234, or 1234_5 for an array task)")
     submission = _submission_arg(args)
     with database.session() as session:
         claimed = _visible(session, uid, args.get("run_id"), admins)

@@ -18,7 +18,6 @@ from slurmft.slurm.api import JobInfo, SlurmBadRequest
 
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,128}$")
 _RUN_ID = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
-_NODE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _SIGNAL = re.compile(r"^([BR]{1,2}:)?(SIG)?[A-Z0-9]{1,8}(@\d{1,6})?$")
 _TIME_LIMIT = re.compile(r"^(UNLIMITED|INFINITE|\d+(-\d+)?(:\d+){0,2})$")
@@ -86,12 +85,6 @@ def not_the_runs_job(job: JobInfo, run_id: str, owner_uid: int) -> str | None:
     return None
 
 
-def check_node_name(name: str) -> str:
-    if not _NODE_NAME.match(name):
-        raise SlurmBadRequest(f"not a node name: {name!r}")
-    return name
-
-
 def check_reason(reason: str) -> str:
     """Drain/down reasons go to scontrol as one argv word; Slurm keeps them verbatim (measured),
     but a newline would split `sinfo`/`scontrol -o` lines, so control characters are refused."""
@@ -103,6 +96,20 @@ def check_reason(reason: str) -> str:
     if len(reason) > MAX_REASON_CHARS:
         raise SlurmBadRequest(f"reason longer than {MAX_REASON_CHARS} characters")
     return reason
+
+
+TRUNCATED_MARK = " [truncated]"
+
+
+def slurm_reason(reason: str) -> str:
+    """A drain/down reason Slurm takes: control characters become spaces and a reason longer
+    than MAX_REASON_CHARS is cut, ending in TRUNCATED_MARK (the action row keeps it whole)."""
+    cleaned = " ".join(
+        "".join(" " if ord(char) < 32 or ord(char) == 127 else char for char in reason).split()
+    )
+    if len(cleaned) <= MAX_REASON_CHARS:
+        return cleaned
+    return cleaned[: MAX_REASON_CHARS - len(TRUNCATED_MARK)].rstrip() + TRUNCATED_MARK
 
 
 def check_signal_spec(spec: str) -> str:
