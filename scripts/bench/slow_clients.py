@@ -264,6 +264,12 @@ def proc_status(pid: int) -> tuple[int, float]:
     return int(fields["Threads"]), int(fields["VmRSS"].split()[0]) / 1024
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time a process has used."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def quantile(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
@@ -327,6 +333,7 @@ def main() -> int:  # noqa: PLR0915  # a script: set up, run, print, in order
         reporter.start()
     time.sleep(warmup_s)  # the agents' steady state, before the attack
     threads_before, rss_before = proc_status(child.pid)
+    cpu_before, attack_started = cpu_seconds(child.pid), time.monotonic()
     acks_before = len(latencies)
 
     attacks = [
@@ -350,6 +357,7 @@ def main() -> int:  # noqa: PLR0915  # a script: set up, run, print, in order
         except Exception as exc:
             cli_errors.append(str(exc)[:100])
         time.sleep(0.25)
+    server_cpu = (cpu_seconds(child.pid) - cpu_before) / (time.monotonic() - attack_started)
     for reporter in reporters:
         reporter.stop(flush_timeout_s=2)
     stop.set()
@@ -361,6 +369,8 @@ def main() -> int:  # noqa: PLR0915  # a script: set up, run, print, in order
     print(f"server: ingest workers {settings['ingest_workers']:g}, socket workers "
           f"{settings['socket_workers']:g}, header timeout {settings['header_timeout_s']:g}s, "
           f"idle timeout {settings['idle_timeout_s']:g}s")  # fmt: skip
+    print(f"server cpu: {server_cpu:.2f} cores on average during the attack "
+          f"(this machine: {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f})")  # fmt: skip
     print(f"threads: before {threads_before}, peak {peak_threads} (cap {cap} + 16 = {cap + 16})")
     print(f"rss: before {rss_before:.1f} MB, peak {peak_rss:.1f} MB, "
           f"growth {peak_rss - rss_before:.1f} MB")  # fmt: skip
