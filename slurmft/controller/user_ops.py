@@ -147,10 +147,11 @@ def operations(
     slurm: SlurmClient,
     controller_url: str = "",
     admins: Admins = ROOT_ONLY,
+    ca_file: str = "",
 ) -> dict[str, Operation]:
     """The daemon's user-facing operations, bound to its store, to Slurm (to check what users
     claim about jobs), to who its admins are and, for new runs, to the URL its agents report
-    to."""
+    to (and the CA file they verify an https URL against)."""
 
     def create_run(uid: int, args: Mapping[str, Any]) -> dict[str, Any]:
         spec = RunSpec.from_dict(dict(args.get("spec") or {}))
@@ -173,6 +174,7 @@ def operations(
                 "run_id": run.id,
                 "token": token,
                 "controller_url": controller_url,
+                "ca_file": ca_file,
                 "exclude": sorted(denied_nodes(session)),
             }
 

@@ -70,6 +70,9 @@ class ActionKind(enum.StrEnum):
     NOTIFY = "notify"
     DENYLIST_ADD = "denylist_add"
     DENYLIST_REMOVE = "denylist_remove"
+    # A request refused by an endpoint (a bad or slow request, a server at its cap), recorded
+    # where its run or user is known: the audit of who was turned away and why.
+    REFUSE_REQUEST = "refuse_request"
 
 
 class ActionStatus(enum.StrEnum):

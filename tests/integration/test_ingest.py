@@ -132,7 +132,7 @@ def test_a_batch_is_stored_once_however_often_it_is_sent(
 
 @pytest.mark.parametrize(
     ("token_for", "status"),
-    [(None, 401), ("wrong", 403), ("r2", 403)],
+    [(None, 401), ("wrong", 401), ("r2", 403)],
     ids=["no token", "wrong token", "another run's token"],
 )
 def test_a_batch_without_its_run_token_is_refused(
