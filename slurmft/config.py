@@ -326,7 +326,69 @@ class DaemonSection(Section):
         "How often the daemon queries Slurm for all tracked jobs (one batched call).",
         minimum=0.5,
     )
+    ingest_tls_cert: str = setting_field(
+        "",
+        "PEM certificate (chain) the ingest endpoint serves over TLS; with ingest_tls_key, agents "
+        "report over https. Empty: plain HTTP (a trusted network only; see docs/install.md).",
+    )
+    ingest_tls_key: str = setting_field(
+        "", "PEM private key of ingest_tls_cert (readable by the daemon only)."
+    )
+    agents_ca_file: str = setting_field(
+        "",
+        "CA certificate file, as a path on the compute nodes, that agents verify the ingest "
+        "certificate against; given to each run's agents as agent.ca_file. Empty: the nodes' "
+        "system CAs.",
+    )
+    ingest_max_connections: int = setting_field(
+        4096,
+        "Connections the ingest endpoint holds at once (arriving, queued or answered); past it a "
+        "new one is answered 503 with Retry-After. Sized for one run of 2,048 agents whose "
+        "once-a-second posts arrive together. Keep LimitNOFILE in the unit above it.",
+        minimum=1,
+    )
+    ingest_workers: int = setting_field(
+        256,
+        "Threads answering complete ingest requests (each waits for its batch's commit); idle "
+        "and slow connections hold none. Keep TasksMax in the unit above it.",
+        minimum=1,
+    )
+    socket_max_connections: int = setting_field(
+        2048,
+        "Connections the CLI's unix socket holds at once; past it the CLI is told to retry. "
+        "Keep LimitNOFILE in the unit above it.",
+        minimum=1,
+    )
+    socket_max_per_user: int = setting_field(
+        128,
+        "Connections one user (root exempt) may hold to the CLI's socket, so that no user can "
+        "keep the others out. 0: no such cap.",
+        minimum=0,
+    )
+    socket_workers: int = setting_field(16, "Threads answering complete CLI requests.", minimum=1)
+    header_timeout_s: float = setting_field(
+        10.0,
+        "The whole request head (HTTP headers, the CLI's request line) must arrive within this "
+        "long of the connection, on every endpoint, or the connection is closed.",
+        minimum=0.05,
+    )
+    body_timeout_s: float = setting_field(
+        30.0,
+        "A request body must arrive, and the answer be taken, within this long once its head "
+        "is read.",
+        minimum=0.05,
+    )
+    idle_timeout_s: float = setting_field(
+        5.0,
+        "A connection that sends nothing for this long before its request is complete is closed.",
+        minimum=0.05,
+    )
     observe_only: bool = setting_field(False, "Decide and record actions but execute none of them.")
+    admin_group: str = setting_field(
+        "",
+        "A Unix group whose members are the daemon's admins, as root is: they see every run and "
+        "may cancel any (docs/install.md, 'Security model'). Empty: root only.",
+    )
     stuck_after_passes: int = setting_field(
         24,
         "The main loop counts as stuck when no control pass has ended for this many poll "
@@ -438,6 +500,13 @@ class PolicySection(Section):
         "evicts it from a --no-kill job. Agents report at least every 2 s (a keep-alive).",
         minimum=5.0,
     )
+    restart_command_ttl_s: float = setting_field(
+        120.0,
+        "A worker restart decided for a node (a hang, a restart-class GPU fault) waits for the "
+        "node's agent to fetch it with its next report; not fetched within this many seconds, "
+        "it expires (recorded as skipped, 'expired') and is never delivered late.",
+        minimum=5.0,
+    )
 
 
 class TrustSection(Section):
@@ -503,6 +572,11 @@ class AgentSection(Section):
         "",
         "Base URL where agents send rank reports (the daemon's ingest, http://host:port). "
         "Empty: agents report nothing and skip the clock check.",
+    )
+    ca_file: str = setting_field(
+        "",
+        "CA certificate file the agent verifies an https controller_url against (set for each "
+        "run from daemon.agents_ca_file). Empty: the system's CAs.",
     )
     rdzv_timeout_s: int = setting_field(
         600,

@@ -56,6 +56,7 @@ class AgentSettings:
     # The [agent] and [gpu] sections' defaults (slurmft.config); `slurmft agent run` passes the
     # effective values.
     controller_url: str = AgentSection.controller_url
+    ca_file: str = AgentSection.ca_file
     token: str = ""
     report_interval_s: float = AgentSection.report_interval_s
     max_buffered: int = AgentSection.report_buffer_max
@@ -132,7 +133,9 @@ class NodeAgent:
         self.transport: HttpTransport | None = None
         self.reporter: Reporter | None = None
         if settings.controller_url:
-            self.transport = HttpTransport(settings.controller_url, settings.token)
+            self.transport = HttpTransport(
+                settings.controller_url, settings.token, ca_file=settings.ca_file
+            )
             self.reporter = Reporter(
                 self.transport,
                 run_id=settings.run_id,

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import random
+import ssl
 import threading
 import time
 import urllib.error
@@ -72,13 +73,23 @@ class ItemsRejectedError(RejectedError):
         self.refused = refused
 
 
-class HttpTransport:
-    """POST/GET JSON to the controller with the run's token (stdlib only)."""
+class CertificateError(RetryableError):
+    """The controller's TLS certificate did not verify against the agent's CA file. Retried
+    like any outage (an operator may fix the certificate), but said plainly."""
 
-    def __init__(self, base_url: str, token: str, timeout_s: float = 5.0):
+
+class HttpTransport:
+    """POST/GET JSON to the controller with the run's token (stdlib only). An https URL is
+    verified against ``ca_file`` (agent.ca_file), else the system's CAs."""
+
+    def __init__(self, base_url: str, token: str, timeout_s: float = 5.0, ca_file: str = ""):
         self.base_url = base_url.rstrip("/")
         self.token = token
         self.timeout_s = timeout_s
+        self.ca_file = ca_file
+        self._context: ssl.SSLContext | None = None
+        if self.base_url.startswith("https:"):
+            self._context = ssl.create_default_context(cafile=ca_file or None)
 
     def _request(self, path: str, body: bytes | None) -> bytes:
         request = urllib.request.Request(
@@ -88,7 +99,9 @@ class HttpTransport:
             headers={"Content-Type": CONTENT_TYPE, "Authorization": f"Bearer {self.token}"},
         )
         try:
-            with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
+            with urllib.request.urlopen(
+                request, timeout=self.timeout_s, context=self._context
+            ) as response:
                 return bytes(response.read())
         except urllib.error.HTTPError as error:
             body = error.read(MAX_BODY_BYTES)
@@ -103,7 +116,16 @@ class HttpTransport:
             if 400 <= error.code < 500 and error.code not in (408, 429):
                 raise RejectedError(f"HTTP {error.code}: {detail}") from None
             raise RetryableError(f"HTTP {error.code}: {detail}") from None
-        except (urllib.error.URLError, OSError) as error:  # refused, reset, timed out
+        except urllib.error.URLError as error:
+            if isinstance(error.reason, ssl.SSLCertVerificationError):
+                raise CertificateError(
+                    f"the controller's TLS certificate at {self.base_url} is not trusted "
+                    f"({error.reason.verify_message}) by "
+                    f"{f'CA file {self.ca_file}' if self.ca_file else 'the system CAs'}: "
+                    f"set agent.ca_file (daemon.agents_ca_file) to the CA that signed it"
+                ) from None
+            raise RetryableError(str(error)) from None
+        except OSError as error:  # refused, reset, timed out
             raise RetryableError(str(error)) from None
 
     def send_batch(self, batch: AgentBatch) -> BatchReply:

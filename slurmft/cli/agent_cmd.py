@@ -113,6 +113,7 @@ def run(  # noqa: PLR0917 (typer: one parameter per option)
         run_id=run_id,
         work_dir=work_dir or Path(tempfile.mkdtemp(prefix="slurmft-agent-")),
         controller_url=agent_section.controller_url,
+        ca_file=agent_section.ca_file,
         token=token,
         report_interval_s=agent_section.report_interval_s,
         max_buffered=agent_section.report_buffer_max,

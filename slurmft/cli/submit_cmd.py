@@ -154,6 +154,8 @@ def _submit_job(
         token_file=str(token_file),
     )
     env = {**spec.env, "SLURMFT_AGENT_CONTROLLER_URL": created["controller_url"]}
+    if created.get("ca_file"):  # an https ingest: the CA the agents verify it against
+        env["SLURMFT_AGENT_CA_FILE"] = created["ca_file"]
     request = submit_request(
         batch,
         job_name=job_name_for(spec.name),

@@ -1,7 +1,10 @@
 """Executes the policy's actions: thin effects, each one recorded with its reason and evidence.
 
-Every effect is written as a ``planned`` action row first and finished afterwards, so "why did
-this node get drained" is one query, and a crash mid-way leaves a visible planned row. In
+Every effect is written as a ``planned`` action row first, committed before the effect runs,
+and finished in a second transaction afterwards, so "why did this node get drained" is one
+query, and a daemon killed (or a store failing) between the effect and its record leaves a
+planned row that the next pass settles (slurmft.controller.intents): a job the action submitted
+carries the action's id in its comment and is adopted, never submitted twice. In
 observe-only mode every action is recorded as ``skipped`` and nothing is touched, except the
 end of a run whose job has already ended by itself: that is the store's record of what Slurm
 says (the run completed, or its batch step gave up), not an act on the cluster.
@@ -20,32 +23,40 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from slurmft.controller import views as v
+from slurmft.controller.intents import open_resubmitted_attempt
 from slurmft.controller.resubmit import WAITING_FOR_OWNER, SubmissionError
-from slurmft.db import Database
+from slurmft.db import Database, DatabaseUnavailable
 from slurmft.db.models import (
     Action,
     ActionKind,
     ActionStatus,
-    Attempt,
     Event,
     EventKind,
     Run,
-    utcnow,
 )
-from slurmft.db.records import denylist_add, finish_action, plan_action, record_event
-from slurmft.db.states import AttemptState, RunState
+from slurmft.db.records import OBSERVE_ONLY as OBSERVE_ONLY
+from slurmft.db.records import (
+    denylist_add,
+    expire_planned_restarts,
+    finish_action,
+    plan_action,
+    record_control_error,
+    record_event,
+)
+from slurmft.db.states import RunState
 from slurmft.errors import SlurmftError
 from slurmft.slurm.api import SlurmClient, SlurmError, SlurmJobNotFound, SlurmPermissionDenied
-from slurmft.slurm.script import not_the_runs_job
+from slurmft.slurm.names import check_node_name
+from slurmft.slurm.script import not_the_runs_job, slurm_reason
 
 log = logging.getLogger(__name__)
-
-OBSERVE_ONLY = "observe-only mode: decided and recorded, not executed"
 
 
 @dataclass(frozen=True)
@@ -55,9 +66,10 @@ class Outcome:
     error: str | None = None
 
 
-# The run's job submitted again, as its owner, these nodes excluded; returns the Slurm job id
-# (slurmft.controller.resubmit.OwnerSubmitter). Raises SubmissionError when it cannot.
-Submitter = Callable[[Run, frozenset[str]], str]
+# The run's job submitted again, as its owner, these nodes excluded, tagged with the id of the
+# action that submits it; returns the Slurm job id (slurmft.controller.resubmit.OwnerSubmitter).
+# Raises SubmissionError when it cannot.
+Submitter = Callable[[Run, frozenset[str], int], str]
 
 
 class Executor:
@@ -86,8 +98,16 @@ class Executor:
         metrics then agree with the store at every moment, not only after the whole pass."""
         outcomes = []
         for action in actions:
-            with self._db.session() as session:
-                outcome = self._execute_one(session, action)
+            try:
+                outcome = self._execute_one(action)
+            except DatabaseUnavailable:
+                raise  # the store is gone: the pass ends here, for everyone, and is retried
+            except Exception as exc:
+                # A bug or bad data in this run's action (a malformed record, a value nobody
+                # expected) before its intent was recorded: its transaction rolled back; it is
+                # recorded as failed on its run, and the other runs' actions go on.
+                _log_failure(action, exc)
+                outcome = self._record_failure(action, exc)
             log.info(
                 "%s %s: %s (%s)",
                 type(action).__name__,
@@ -101,7 +121,70 @@ class Executor:
                 on_outcome(outcome)
         return outcomes
 
-    def _execute_one(self, session: Session, action: v.Action) -> Outcome:
+    def _execute_one(self, action: v.Action) -> Outcome:
+        """The intent (a planned row) commits first; the effect runs and its outcome is
+        recorded in a transaction of its own."""
+        with self._db.session() as session:
+            intent = self._intend(session, action)
+        if isinstance(intent, Outcome):
+            return intent
+        try:
+            with self._db.session() as session:
+                return self._carry_out(session, action, intent)
+        except DatabaseUnavailable:
+            raise  # the row stays planned: the next pass settles it (controller.intents)
+        except Exception as exc:
+            _log_failure(action, exc)
+            return self._fail_planned(action, intent, exc)
+
+    def _fail_planned(self, action: v.Action, row_id: int, exc: Exception) -> Outcome:
+        """The effect raised what nobody expected: its planned row fails with the error."""
+        error = _internal_error(exc)
+        with self._db.session() as session:
+            row = session.get(Action, row_id)
+            if row is not None and row.status is ActionStatus.PLANNED:
+                finish_action(row, ActionStatus.FAILED, error=error)
+        return Outcome(action, ActionStatus.FAILED, error)
+
+    def _record_failure(self, action: v.Action, exc: Exception) -> Outcome:
+        """The action's row, failed with the error (an event row for a recording that failed),
+        in a transaction of its own."""
+        error = _internal_error(exc)
+        key = action.evidence.get("key")
+        # The evidence itself may be what failed (a value JSON cannot hold): then only its key.
+        for evidence in (action.evidence, {"key": key} if isinstance(key, str) else {}):
+            try:
+                with self._db.session() as session:
+                    self._record_failed_row(session, action, error, evidence)
+                break
+            except DatabaseUnavailable:
+                raise
+            except Exception:
+                log.exception("could not record the failure of %s", type(action).__name__)
+        return Outcome(action, ActionStatus.FAILED, error)
+
+    def _record_failed_row(
+        self, session: Session, action: v.Action, error: str, evidence: dict[str, Any]
+    ) -> None:
+        if isinstance(action, v.RecordEvent | v.RecordRestarts):
+            record_control_error(session, action.run_id, type(action).__name__, error)
+            return
+        kind, node, _ = self._plan(session, action)
+        row = plan_action(
+            session, kind, action.reason, run_id=action.run_id, node=node, evidence=evidence
+        )
+        finish_action(row, ActionStatus.FAILED, error=error)
+
+    def expire_commands(self, now: datetime, ttl: timedelta) -> int:
+        """Planned agent commands (restart your workers) not delivered within ``ttl`` are
+        finished as skipped, "expired": a restart decided minutes ago is never done late, when
+        the finding it answered may be long gone. Returns how many expired."""
+        with self._db.session() as session:
+            return expire_planned_restarts(session, older_than=now - ttl)
+
+    def _intend(self, session: Session, action: v.Action) -> Outcome | int:
+        """Record the action: its outcome when recording is all there is to it, else the id
+        of its planned row, whose effect is still to run."""
         if isinstance(action, v.RecordRestarts):
             _record_restarts(session, action)  # the budget's bookkeeping: observing too
             return Outcome(action, ActionStatus.DONE)
@@ -123,8 +206,9 @@ class Executor:
         if observe_only and _skipped_before(session, kind, node, action):
             # Nothing changes when nothing is done: the same decision comes every pass.
             return Outcome(action, ActionStatus.SKIPPED, OBSERVE_ONLY)
+        evidence = _evidence(action)
         row = plan_action(
-            session, kind, action.reason, run_id=action.run_id, node=node, evidence=action.evidence
+            session, kind, action.reason, run_id=action.run_id, node=node, evidence=evidence
         )
         if observe_only:
             finish_action(row, ActionStatus.SKIPPED, error=OBSERVE_ONLY)
@@ -133,6 +217,14 @@ class Executor:
             return Outcome(action, ActionStatus.PLANNED)
         if kind is ActionKind.NOTIFY and self._webhook:
             return Outcome(action, ActionStatus.PLANNED)  # the webhook job delivers it
+        return row.id
+
+    def _carry_out(self, session: Session, action: v.Action, row_id: int) -> Outcome:
+        row = session.get(Action, row_id)
+        if row is None or row.status is not ActionStatus.PLANNED:
+            raise RuntimeError(f"action {row_id} is no longer planned")
+        kind, _, effect = self._plan(session, action, row)
+        assert effect is not None  # _intend returned a row id only for an effect
         try:
             effect()
         except (SlurmPermissionDenied, SubmissionError, NotTheRunsJob) as exc:
@@ -152,10 +244,10 @@ class Executor:
         return Outcome(action, ActionStatus.DONE)
 
     def _plan(
-        self, session: Session, action: v.Action
+        self, session: Session, action: v.Action, row: Action | None = None
     ) -> tuple[ActionKind, str | None, Callable[[], None] | None]:
         """The action's kind, its node, and its effect (None: an agent command, or recorded
-        only)."""
+        only); ``row`` is the action's planned row, once there is one."""
         match action:
             case v.ExcludeNode(node=node):
                 # The run-scoped denylist entry is the command: the agent reads it as "leave".
@@ -163,13 +255,21 @@ class Executor:
             case v.DrainNode(node=node):
 
                 def drain() -> None:
+                    # Slurm first: a drain this daemon may not do (or Slurm refuses) leaves no
+                    # global denylist entry behind, only its skipped or failed row. Slurm gets
+                    # the reason cut to its limit; the action row keeps it whole.
+                    check_node_name(node)  # refused before Slurm, or the denylist, sees it
+                    self._slurm.drain(node, slurm_reason(action.reason))
                     denylist_add(session, node, action.reason)
-                    self._slurm.drain(node, action.reason)
 
                 return ActionKind.DRAIN_NODE, node, drain
             case v.EvictNode(node=node):
                 # DOWN takes the node out of a running --no-kill job (docs/slurm.md).
-                return ActionKind.EVICT_NODE, node, lambda: self._slurm.down(node, action.reason)
+                return (
+                    ActionKind.EVICT_NODE,
+                    node,
+                    lambda: self._slurm.down(check_node_name(node), slurm_reason(action.reason)),
+                )
             case v.RestartWorkers(node=node):
                 return ActionKind.RESTART_WORKERS, node, None
             case v.RequeueJob(job_id=requeued, exclude=exclude):
@@ -185,7 +285,7 @@ class Executor:
                 return (
                     ActionKind.RESUBMIT,
                     None,
-                    lambda: self._resubmit(session, action, exclude),
+                    lambda: self._resubmit(session, action, exclude, row),
                 )
             case v.FinishRun(state=state, job_id=job_id):
                 kind = {
@@ -197,30 +297,21 @@ class Executor:
                 return ActionKind.NOTIFY, None, _recorded_only
         raise TypeError(f"no executor for {type(action).__name__}")
 
-    def _resubmit(self, session: Session, action: v.Action, exclude: frozenset[str]) -> None:
+    def _resubmit(
+        self, session: Session, action: v.Action, exclude: frozenset[str], row: Action | None
+    ) -> None:
         if self._submit_attempt is None:
             raise SubmissionError(f"this daemon does not submit jobs; {WAITING_FOR_OWNER}")
+        if row is None:
+            raise RuntimeError("a resubmission runs only after its intent is recorded")
         run = session.get(Run, action.run_id)
         if run is None or run.state.is_terminal:
             return
-        job_id = self._submit_attempt(run, exclude)
+        job_id = self._submit_attempt(run, exclude, row.id)
         # Charged once the new job exists: a failed sbatch is decided (and charged) again later.
         if isinstance(action, v.SubmitAttempt) and action.restarts_without_progress is not None:
             run.restarts_without_progress = action.restarts_without_progress
-        latest = session.scalars(
-            select(Attempt.number).where(Attempt.run_id == run.id).order_by(Attempt.number.desc())
-        ).first()
-        session.add(
-            Attempt(
-                run_id=run.id,
-                number=(latest or 0) + 1,
-                slurm_job_id=job_id,
-                state=AttemptState.SUBMITTED,
-                submitted_at=utcnow(),
-            )
-        )
-        if run.state is RunState.RUNNING:
-            run.state = RunState.RECOVERING
+        open_resubmitted_attempt(session, run, row, job_id)
 
     def _notify(self, session: Session, action: v.Action, reason: str) -> None:
         """A person is needed because this daemon could not act (see the module docstring)."""
@@ -284,6 +375,28 @@ def _skipped_before(session: Session, kind: ActionKind, node: str | None, action
         .limit(1)
     ).first()
     return found is not None
+
+
+def _log_failure(action: v.Action, exc: Exception) -> None:
+    log.exception(
+        "%s of run %s failed: %s",
+        type(action).__name__,
+        action.run_id,
+        exc,
+        extra={"run_id": action.run_id},
+    )
+
+
+def _internal_error(exc: Exception) -> str:
+    return f"internal error: {type(exc).__name__}: {exc}"
+
+
+def _evidence(action: v.Action) -> dict[str, object]:
+    """The row's evidence; a resubmission's also carries the count it charges once its job
+    exists, so that a job adopted after an interruption is charged as one recorded at once."""
+    if isinstance(action, v.SubmitAttempt) and action.restarts_without_progress is not None:
+        return {**action.evidence, "restarts_without_progress": action.restarts_without_progress}
+    return dict(action.evidence)
 
 
 def _records_an_end(action: v.Action) -> bool:

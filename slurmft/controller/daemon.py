@@ -35,15 +35,18 @@ from apscheduler.schedulers.background import BackgroundScheduler
 from slurmft.config import Config, ConfigError
 from slurmft.controller import views as v
 from slurmft.controller.act import Executor, Outcome
+from slurmft.controller.admins import Admins
+from slurmft.controller.bounded import ServerLimits
 from slurmft.controller.decide import Policy, decide
-from slurmft.controller.health import LoopLiveness, OpsServer, check_health
-from slurmft.controller.http import IngestServer
+from slurmft.controller.health import OPS_LIMITS, LoopLiveness, OpsServer, check_health
+from slurmft.controller.http import IngestServer, server_tls
 from slurmft.controller.limits import RateLimits
 from slurmft.controller.metrics import SCHEDULER_EVENTS, DaemonMetrics, TimedRunner
 from slurmft.controller.notify import Notifier
 from slurmft.controller.observe import observe
+from slurmft.controller.refusals import Refusals
 from slurmft.controller.resubmit import OwnerSubmitter
-from slurmft.controller.rpc import SOCKET_NAME, RpcServer
+from slurmft.controller.rpc import MAX_REQUEST_BYTES, SOCKET_NAME, RpcServer
 from slurmft.controller.step_window import StepWindows
 from slurmft.controller.user_ops import RunQuota, operations
 from slurmft.controller.webhook import WebhookOutbox
@@ -56,6 +59,7 @@ from slurmft.slurm.runner import SubprocessRunner
 log = logging.getLogger(__name__)
 
 RETENTION_INTERVAL_S = 300.0
+REFUSAL_AUDIT_INTERVAL_S = 2.0
 
 
 # CPython's cyclic collector runs a young collection every 700 net allocations. A control pass
@@ -123,6 +127,7 @@ class Daemon:
             else None
         )
         self.clock = clock
+        self._restart_ttl = timedelta(seconds=settings.policy.restart_command_ttl_s)
         # The straggler window's step times, read incrementally from one pass to the next.
         self.step_windows = StepWindows()
         self.passes = 0
@@ -138,6 +143,7 @@ class Daemon:
             job_defaults={"coalesce": True, "max_instances": 1, "misfire_grace_time": 30},
         )
         self._scheduler.add_listener(self.metrics.on_scheduler_event, SCHEDULER_EVENTS)
+        self.refusals = Refusals(self.database, self.metrics.server_refusals, clock=clock)
         self._ingest: IngestServer | None = None
         self._rpc: RpcServer | None = None
         self._ops: OpsServer | None = None
@@ -156,6 +162,8 @@ class Daemon:
                     buckets=self.policy.straggler_window_buckets,
                     steps=self.step_windows,
                 )
+            # Before this pass plans new ones: a worker restart nobody fetched in time is void.
+            self.executor.expire_commands(self.clock(), self._restart_ttl)
         except DatabaseUnavailable as exc:
             log.warning("control pass skipped: %s", exc)
             self.skipped_because = "store"
@@ -263,7 +271,8 @@ class Daemon:
         """Check the schema, open the endpoints, schedule the jobs. Refuses an old schema."""
         self.database.require_current()
         tune_collector()
-        host, port = _host_port(self.settings.daemon.ingest_listen, "daemon.ingest_listen")
+        daemon = self.settings.daemon
+        host, port = _host_port(daemon.ingest_listen, "daemon.ingest_listen")
         self._ingest = IngestServer(
             self.database,
             host,
@@ -271,7 +280,12 @@ class Daemon:
             sample_every=timedelta(seconds=self.settings.retention.heartbeat_sample_s),
             clock=self.clock,
             observe=self.metrics.observe_ingest,
-            rate_limits=RateLimits.from_settings(self.settings.daemon),
+            restart_ttl=self._restart_ttl,
+            limits=self._limits(daemon.ingest_max_connections, daemon.ingest_workers),
+            tls=server_tls(daemon.ingest_tls_cert, daemon.ingest_tls_key),
+            on_refusal=self.refusals.ingest_hook,
+            on_connection_refused=self.refusals.connection_hook("ingest"),
+            rate_limits=RateLimits.from_settings(daemon),
         ).start()
         self._rpc = RpcServer(
             self.config.runtime_dir / SOCKET_NAME,
@@ -279,14 +293,31 @@ class Daemon:
                 self.database,
                 slurm=self.slurm,
                 controller_url=self._agents_url(),
-                quota=RunQuota.from_settings(self.settings.daemon),
+                admins=Admins(self.config.settings.daemon.admin_group),
+                ca_file=daemon.agents_ca_file,
+                quota=RunQuota.from_settings(daemon),
                 on_refusal=self.metrics.count_refusal,
             ),
+            limits=self._limits(
+                daemon.socket_max_connections,
+                daemon.socket_workers,
+                MAX_REQUEST_BYTES,
+                max_per_caller=daemon.socket_max_per_user,
+            ),
+            on_refusal=self.refusals.connection_hook("socket"),
         ).start()
-        host, port = _host_port(self.settings.daemon.metrics_listen, "daemon.metrics_listen")
+        host, port = _host_port(daemon.metrics_listen, "daemon.metrics_listen")
         self._ops = OpsServer(
-            self.metrics.registry, lambda: check_health(self.liveness, self.database), host, port
+            self.metrics.registry,
+            lambda: check_health(self.liveness, self.database),
+            host,
+            port,
+            limits=self._limits(OPS_LIMITS.max_connections, OPS_LIMITS.workers),
+            on_refusal=self.refusals.connection_hook("metrics"),
         ).start()
+        self._scheduler.add_job(
+            self.refusals.flush, "interval", seconds=REFUSAL_AUDIT_INTERVAL_S, id="refusal_audit"
+        )
         interval = self.settings.daemon.poll_interval_s
         self.liveness.tick()  # the loop's clock starts now, not at construction
         self._scheduler.add_job(
@@ -329,6 +360,25 @@ class Daemon:
         )
         return self
 
+    def _limits(
+        self,
+        max_connections: int,
+        workers: int,
+        max_head_bytes: int = 64 * 1024,
+        *,
+        max_per_caller: int = 0,
+    ) -> ServerLimits:
+        daemon = self.settings.daemon
+        return ServerLimits(
+            max_connections=max_connections,
+            workers=workers,
+            header_timeout_s=daemon.header_timeout_s,
+            body_timeout_s=daemon.body_timeout_s,
+            idle_timeout_s=daemon.idle_timeout_s,
+            max_head_bytes=max_head_bytes,
+            max_per_caller=max_per_caller,
+        )
+
     def _agents_url(self) -> str:
         """The URL agents on compute nodes report to: `daemon.agents_url`, else the ingest
         endpoint as bound (fine when it listens on an address the nodes can reach)."""
@@ -353,6 +403,7 @@ class Daemon:
         for server in (self._ingest, self._rpc, self._ops):
             if server is not None:
                 server.stop()
+        self.refusals.flush()
         self.database.dispose()
 
     def run_until_signalled(self) -> None:

@@ -139,10 +139,26 @@ def decide(view: ClusterView, policy: Policy) -> list[Action]:
     lemons = lemon_nodes(view, policy.trust)
     actions: list[Action] = []
     for run in view.runs:
-        budget, counted = count_restarts(run, policy.max_restarts_without_progress)
-        actions += counted
-        actions += _decide_run(replace(run, budget=budget), view, policy, gate, lemons)
+        try:
+            budget, counted = count_restarts(run, policy.max_restarts_without_progress)
+            decided = counted + _decide_run(replace(run, budget=budget), view, policy, gate, lemons)
+        except Exception as exc:  # one run's bad data must not stop the others
+            decided = _undecided(run, exc)
+        actions += decided
     return actions
+
+
+def _undecided(run: RunView, exc: Exception) -> list[Action]:
+    """Deciding for this run failed (its data, or a bug): nothing is done for it this pass,
+    and the error is recorded on it, once per attempt; the other runs are decided as usual."""
+    error = f"{type(exc).__name__}: {exc}"
+    return _event(
+        run,
+        f"decide-error:{type(exc).__name__}",  # not the message: it may differ every pass
+        reason=f"control pass: deciding failed: {error}",
+        kind=EventKind.CONTROL_ERROR,
+        fault_class=FaultClass.INFRASTRUCTURE,
+    )
 
 
 def count_restarts(run: RunView, cap: int) -> tuple[RestartBudget, list[Action]]:

@@ -30,7 +30,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
-from slurmft.controller.ingest import IngestRefused, ingest_batches
+from slurmft.controller.ingest import RESTART_COMMAND_TTL, IngestRefused, ingest_batches
 from slurmft.controller.limits import AuditThrottle, IngestLimiter
 from slurmft.db import Database, DatabaseUnavailable
 from slurmft.protocol import AgentBatch, BatchReply
@@ -63,11 +63,13 @@ class GroupCommitter:
         clock: Callable[[], datetime],
         sample_every: timedelta,
         max_group: int = MAX_GROUP_BATCHES,
+        restart_ttl: timedelta = RESTART_COMMAND_TTL,
         limiter: IngestLimiter | None = None,
     ) -> None:
         self.database = database
         self.clock = clock
         self.sample_every = sample_every
+        self.restart_ttl = restart_ttl
         self.max_group = max_group
         self.limiter = limiter
         self._audit = AuditThrottle()
@@ -171,6 +173,7 @@ class GroupCommitter:
                     [(post.batch, post.token) for post in group],
                     now=self.clock(),
                     sample_every=self.sample_every,
+                    restart_ttl=self.restart_ttl,
                     limiter=self.limiter,
                     audit=self._audit,
                 )

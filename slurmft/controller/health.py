@@ -15,19 +15,29 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from sqlalchemy import text
 
-from slurmft.controller.serving import ServerThread
+from slurmft.controller.bounded import (
+    BoundedHTTPHandler,
+    BoundedServer,
+    Connection,
+    HttpProtocol,
+    ServerLimits,
+    tcp_listener,
+)
 from slurmft.db import Database
 
 log = logging.getLogger(__name__)
 
 METRICS_PATH = "/metrics"
 HEALTH_PATH = "/healthz"
+# A scraper and a probe or two: a handful of threads, whatever connects.
+OPS_LIMITS = ServerLimits(
+    max_connections=64, workers=4, header_timeout_s=10.0, body_timeout_s=30.0, idle_timeout_s=5.0
+)
 
 
 class LoopLiveness:
@@ -92,35 +102,44 @@ class OpsServer:
     """``/metrics`` (Prometheus text format) and ``/healthz`` (JSON; 200 or 503) on one port."""
 
     def __init__(
-        self, registry: CollectorRegistry, health: Callable[[], Health], host: str, port: int
+        self,
+        registry: CollectorRegistry,
+        health: Callable[[], Health],
+        host: str,
+        port: int,
+        *,
+        limits: ServerLimits = OPS_LIMITS,
+        on_refusal: Callable[[str, Connection], None] | None = None,
     ) -> None:
         handler = type(
             "OpsHandler",
             (_OpsHandler,),
             {"registry": registry, "health": staticmethod(health)},
         )
-        self._server = ThreadingHTTPServer((host, port), handler)
-        self._server.daemon_threads = True
-        self._thread = ServerThread(self._server, "slurmft-metrics")
+        self.server = BoundedServer(
+            tcp_listener(host, port),
+            HttpProtocol(handler),
+            limits,
+            "slurmft-metrics",
+            on_refusal=on_refusal,
+        )
 
     @property
     def url(self) -> str:
-        host, port = self._server.server_address[:2]
-        assert isinstance(host, str)  # an AF_INET address: (host, port)
-        return f"http://{host}:{port}"
+        host, port = self.server.listener.getsockname()[:2]
+        return f"http://{f'[{host}]' if ':' in host else host}:{port}"
 
     def start(self) -> OpsServer:
-        self._thread.start()
+        self.server.start()
         return self
 
     def stop(self) -> None:
-        self._thread.stop()
+        self.server.stop()
 
 
-class _OpsHandler(BaseHTTPRequestHandler):
+class _OpsHandler(BoundedHTTPHandler):
     registry: CollectorRegistry
     health: Callable[[], Health]
-    server_version = "slurmft"
 
     def log_message(self, format: str, *args: object) -> None:
         log.debug("metrics %s " + format, self.client_address[0], *args)

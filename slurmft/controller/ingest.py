@@ -23,6 +23,7 @@ from datetime import datetime, timedelta
 from sqlalchemy import bindparam, or_, select
 from sqlalchemy.orm import Session
 
+from slurmft.config import PolicySection
 from slurmft.controller.limits import AuditThrottle, IngestLimiter
 from slurmft.db.ingest import (
     HeartbeatReport,
@@ -163,7 +164,10 @@ _RESTARTS_PLANNED = select(Action).where(
     Action.run_id.in_(bindparam("runs", expanding=True)),
     Action.kind == ActionKind.RESTART_WORKERS,
     Action.status == ActionStatus.PLANNED,
+    Action.created_at >= bindparam("not_before"),  # an older one expired: never sent late
 )
+# How long a planned restart_workers command waits for its agent (policy.restart_command_ttl_s).
+RESTART_COMMAND_TTL = timedelta(seconds=PolicySection.restart_command_ttl_s)
 
 
 @dataclass(frozen=True)
@@ -180,6 +184,7 @@ def ingest_batches(
     *,
     now: datetime,
     sample_every: timedelta = timedelta(seconds=60),
+    restart_ttl: timedelta = RESTART_COMMAND_TTL,
     limiter: IngestLimiter | None = None,
     audit: AuditThrottle | None = None,
     monotonic: Callable[[], float] = time.monotonic,
@@ -220,7 +225,9 @@ def ingest_batches(
             cursors[batch.run_id, batch.agent_id] = batch.seq
     _store(session, fresh, now, sample_every)
     _write_cursors(session, fresh, now)
-    commands = _commands(session, [b for b in accepted if isinstance(b, AgentBatch)], now)
+    commands = _commands(
+        session, [b for b in accepted if isinstance(b, AgentBatch)], now, restart_ttl
+    )
     return [
         b
         if isinstance(b, IngestRefused)
@@ -408,10 +415,14 @@ def _attach_stacks(session: Session, run_id: str, node: str, event: Event) -> No
 
 
 def _commands(
-    session: Session, batches: Sequence[AgentBatch], now: datetime
+    session: Session,
+    batches: Sequence[AgentBatch],
+    now: datetime,
+    restart_ttl: timedelta = RESTART_COMMAND_TTL,
 ) -> dict[tuple[str, str], list[Command]]:
     """Each (run, node)'s commands: leave when the node is denied for the run (the newest
-    entry's reason), else restart the workers when a hang was decided for it. Two statements
+    entry's reason), else restart the workers when a hang was decided for it within
+    ``restart_ttl`` (an older one has expired; the control pass records it so). Two statements
     for the whole group; the action rows are loaded only when one is planned."""
     if not batches:
         return {}
@@ -425,7 +436,8 @@ def _commands(
             if key in wanted:
                 commands[key] = [leave]
     planned: dict[tuple[str, str], list[Action]] = {}
-    for action in session.scalars(_RESTARTS_PLANNED, {"runs": runs}):
+    restarts = {"runs": runs, "not_before": now - restart_ttl}
+    for action in session.scalars(_RESTARTS_PLANNED, restarts):
         key = (action.run_id, action.node or "")
         if key in wanted and key not in commands:
             planned.setdefault(key, []).append(action)

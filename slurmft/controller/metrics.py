@@ -137,6 +137,15 @@ class DaemonMetrics:
             buckets=SLURM_BUCKETS,
             registry=r,
         )
+        self.server_refusals = Counter(
+            "slurmft_server_refusals_total",
+            "Connections and requests an endpoint (ingest, socket, metrics) refused before "
+            "reading a request through: over_capacity, header_timeout, idle_timeout, "
+            "head_too_large, tls_handshake, no_token, unknown_token, no_length, bad_length, "
+            "too_large, body_timeout, short_body.",
+            ["server", "reason"],
+            registry=r,
+        )
         self.slurm_duration = Histogram(
             "slurmft_slurm_command_duration_seconds",
             "Wall time of one Slurm command (squeue, sinfo, scontrol, ...).",

@@ -5,17 +5,20 @@ view; ``observe`` runs the three in that order. The mapping into views is pure."
 
 from __future__ import annotations
 
+import logging
 import statistics
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import cast
 
 from sqlalchemy import func, select
+from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
 from slurmft.controller.detect import RankBeat, RankCompute
+from slurmft.controller.intents import settle_interrupted
 from slurmft.controller.reconcile import reconcile
 from slurmft.controller.restarts import restart_evidence
 from slurmft.controller.step_window import StepWindows
@@ -45,7 +48,7 @@ from slurmft.db.models import (
     Run,
     StepTime,
 )
-from slurmft.db.records import denied_nodes
+from slurmft.db.records import OBSERVE_ONLY, denied_nodes, record_control_error
 from slurmft.db.states import AttemptState, RunState
 from slurmft.gpu.api import FaultAction
 from slurmft.gpu.lemons import LEMON_WINDOW, XidOccurrence
@@ -53,11 +56,15 @@ from slurmft.slurm.api import (
     JobInfo,
     NodeInfo,
     SlurmClient,
+    SlurmError,
     SlurmJobNotFound,
     SlurmTimeout,
     SlurmUnreachable,
 )
+from slurmft.slurm.commands import is_job_id
 from slurmft.slurm.states import JobState
+
+log = logging.getLogger(__name__)
 
 # Drains whose reason starts with this are slurmft's own; any other drain is someone else's.
 OWN_DRAIN_PREFIX = "slurmft:"
@@ -175,6 +182,7 @@ FINDING_KINDS = (
     EventKind.CHANNEL_SILENT,
     EventKind.TIME_LIMIT,
     EventKind.PREEMPTED,
+    EventKind.CONTROL_ERROR,  # decide's own, keyed: recorded once per attempt
 )
 
 
@@ -187,6 +195,9 @@ class SlurmSnapshot:
     attempts: Mapping[str, Attempt | None]  # each run's latest attempt, by run id
     jobs: Mapping[str, JobInfo]
     nodes: Mapping[str, NodeInfo]
+    # Runs whose job could not be read (a stored job id that is not one, a record Slurm could
+    # not give): the error, by run id. Such a run's job is left out of ``jobs`` this pass.
+    errors: Mapping[str, str] = field(default_factory=dict)
 
 
 def observe(
@@ -201,9 +212,16 @@ def observe(
     """The observe stage of a control pass: ask Slurm (`read_slurm`), record what it says about
     the tracked jobs (`reconcile`, the one writer), then read everything ``decide`` needs
     (`gather`). Slurm unreachable: nothing recorded, a view that decides nothing."""
+    try:
+        settle_interrupted(session, slurm)  # before the attempts are read: it may open one
+    except (SlurmUnreachable, SlurmTimeout):
+        return ClusterView(now=now, slurm_reachable=False)
     snapshot = read_slurm(session, slurm)
     if snapshot is None:
         return ClusterView(now=now, slurm_reachable=False)
+    for run_id, error in snapshot.errors.items():
+        log.warning("run %s: %s", run_id, error, extra={"run_id": run_id})
+        record_control_error(session, run_id, "reading its job from Slurm", error)
     tracked = {run.id: (run, snapshot.attempts[run.id]) for run in snapshot.runs}
     reconcile(session, tracked, snapshot.jobs, now=now)
     return gather(session, snapshot, now=now, bucket=bucket, buckets=buckets, steps=steps)
@@ -214,18 +232,30 @@ def read_slurm(session: Session, slurm: SlurmClient) -> SlurmSnapshot | None:
     answer (nothing is decided on stale information)."""
     runs = tuple(session.scalars(select(Run).where(Run.state.in_(LIVE_RUN_STATES))).all())
     attempts = {run.id: _latest_attempt(session, run.id) for run in runs}
-    job_ids = sorted({a.slurm_job_id for a in attempts.values() if a and a.slurm_job_id})
+    errors: dict[str, str] = {}
+    by_job: dict[str, Attempt] = {}
+    for run_id, attempt in attempts.items():
+        if attempt is None or not attempt.slurm_job_id:
+            continue
+        if is_job_id(attempt.slurm_job_id):
+            by_job[attempt.slurm_job_id] = attempt
+        else:  # one run's bad job id must not fail the batched query for everyone
+            errors[run_id] = f"not a Slurm job id: {attempt.slurm_job_id!r}; its job is not read"
+    job_ids = sorted(by_job)
     try:
         jobs = slurm.jobs(job_ids)
         nodes = slurm.nodes()  # every node: one call, and the partition's size for the caps
-        by_job = {a.slurm_job_id: a for a in attempts.values() if a and a.slurm_job_id}
-        jobs |= _details(
+        details, failed = _details(
             slurm,
             [j for j in job_ids if j not in jobs or _needs_details(jobs[j], by_job[j])],
         )
     except (SlurmUnreachable, SlurmTimeout):
         return None
-    return SlurmSnapshot(runs, attempts, jobs, nodes)
+    jobs |= details
+    for job_id, error in failed.items():
+        jobs.pop(job_id, None)  # judged on half a record, it could look ended
+        errors[by_job[job_id].run_id] = error
+    return SlurmSnapshot(runs, attempts, jobs, nodes, errors)
 
 
 def gather(
@@ -245,25 +275,35 @@ def gather(
     if steps is not None:
         steps.keep_only({run.id for run in runs})  # an ended run's window is forgotten
     attempts = {run.id: _latest_attempt(session, run.id) for run in runs}  # requeues add one
-    views = tuple(
-        _run_view(
-            session,
-            run,
-            attempts[run.id],
-            snapshot.jobs,
-            snapshot.nodes,
-            now=now,
-            bucket=bucket,
-            buckets=buckets,
-            steps=steps,
-        )
-        for run in runs
-    )
+    views = []
+    for run in runs:
+        try:
+            views.append(
+                _run_view(
+                    session,
+                    run,
+                    attempts[run.id],
+                    snapshot.jobs,
+                    snapshot.nodes,
+                    now=now,
+                    bucket=bucket,
+                    buckets=buckets,
+                    steps=steps,
+                )
+            )
+        except SQLAlchemyError:
+            raise  # the store's failure, not this run's: the pass is skipped for everyone
+        except Exception as exc:
+            # This run's data could not be read into a view (the only write gather makes):
+            # nothing is decided for it this pass, and the other runs go on.
+            error = f"{type(exc).__name__}: {exc}"
+            log.exception("run %s: observing it failed", run.id, extra={"run_id": run.id})
+            record_control_error(session, run.id, "observing it", error)
     nodes = snapshot.nodes
     return ClusterView(
         now=now,
         slurm_reachable=True,
-        runs=views,
+        runs=tuple(views),
         denylist=denied_nodes(session, now=now),
         drains_last_hour=_drains_since(session, now - timedelta(hours=1)),
         partition_nodes=len(nodes),
@@ -287,16 +327,22 @@ def _needs_details(job: JobInfo, attempt: Attempt) -> bool:
     return bool(attempt.batch_host and job.batch_host and job.batch_host != attempt.batch_host)
 
 
-def _details(slurm: SlurmClient, job_ids: list[str]) -> dict[str, JobInfo]:
+def _details(slurm: SlurmClient, job_ids: list[str]) -> tuple[dict[str, JobInfo], dict[str, str]]:
     """Jobs in detail (scontrol): a job purged from slurmctld is reported as failed without an
-    exit status."""
+    exit status. Slurm down ends the pass (raised); any other error reading one job is that
+    job's alone: the errors, by job id, come second."""
     details = {}
+    failed = {}
     for job_id in job_ids:
         try:
             details[job_id] = slurm.job(job_id)
         except SlurmJobNotFound:
             details[job_id] = JobInfo(job_id, JobState.FAILED, reason="purged from slurmctld")
-    return details
+        except (SlurmUnreachable, SlurmTimeout):
+            raise
+        except SlurmError as exc:
+            failed[job_id] = f"scontrol could not read job {job_id}: {exc}"
+    return details, failed
 
 
 def _latest_attempt(session: Session, run_id: str) -> Attempt | None:
@@ -552,14 +598,20 @@ def xid_history(session: Session, *, now: datetime) -> tuple[XidOccurrence, ...]
 
 
 def _drains_since(session: Session, since: datetime) -> int:
+    """The drains attempted since then: planned, done, refused (not permitted) or failed. A
+    refused or failed one counts too: otherwise a daemon without operator rights, or a drain
+    Slurm rejects, would try the hourly limit's worth again on every pass. Only observe-only's
+    records (decided, never tried) are left out."""
     return (
         session.scalar(
             select(func.count())
             .select_from(Action)
             .where(
                 Action.kind == ActionKind.DRAIN_NODE,
-                Action.status == ActionStatus.DONE,
                 Action.created_at >= since,
+                (Action.status != ActionStatus.SKIPPED)
+                | (Action.error.is_(None))
+                | (Action.error != OBSERVE_ONLY),
             )
         )
         or 0

@@ -11,16 +11,21 @@ The run's restart budget is not one of them: gather reads what the run went thro
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime
 
+from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
 from slurmft.db.models import Attempt, Run
+from slurmft.db.records import record_control_error
 from slurmft.db.states import ATTEMPT_TRANSITIONS, AttemptState, RunState
 from slurmft.slurm.api import JobInfo
 from slurmft.slurm.states import JobPhase, JobState
+
+log = logging.getLogger(__name__)
 
 _ENDED: dict[JobState, AttemptState] = {
     JobState.COMPLETED: AttemptState.COMPLETED,
@@ -80,21 +85,37 @@ def reconcile(
     *,
     now: datetime,
 ) -> None:
-    """Apply Slurm's view of every tracked job to its run and attempts."""
+    """Apply Slurm's view of every tracked job to its run and attempts. A run whose record
+    cannot be applied (bad data, a bug) gets the error recorded on it; the others go on."""
     for run, attempt in runs.values():
         if attempt is None or attempt.slurm_job_id is None or attempt.slurm_job_id not in jobs:
             continue
-        job = jobs[attempt.slurm_job_id]
-        if job.restarts > attempt.slurm_restarts and attempt.state is AttemptState.SUBMITTED:
-            attempt.slurm_restarts = job.restarts  # requeued before it was ever seen running
-        change = attempt_change(run.state, attempt.state, attempt.slurm_restarts, job)
-        current = _next_attempt(session, attempt, job, now) if change.requeued else attempt
-        _apply(current, change.state, job, now)
-        if change.run_state is not None:
-            run.state = change.run_state
-            if change.run_state is RunState.RUNNING and run.started_at is None:
-                run.started_at = now
+        try:
+            _reconcile_run(session, run, attempt, jobs[attempt.slurm_job_id], now)
+        except SQLAlchemyError:
+            raise  # the store's failure, not this run's: the pass is skipped for everyone
+        except Exception as exc:
+            log.exception("run %s: reconciling with Slurm failed", run.id, extra={"run_id": run.id})
+            error = f"{type(exc).__name__}: {exc}"
+            record_control_error(session, run.id, "reconciling with Slurm", error)
     session.flush()
+
+
+def _reconcile_run(
+    session: Session, run: Run, attempt: Attempt, job: JobInfo, now: datetime
+) -> None:
+    # Everything that may fail is worked out before the first write to the run's rows.
+    restarts = attempt.slurm_restarts
+    if job.restarts > restarts and attempt.state is AttemptState.SUBMITTED:
+        restarts = job.restarts  # requeued before it was ever seen running
+    change = attempt_change(run.state, attempt.state, restarts, job)
+    attempt.slurm_restarts = restarts
+    current = _next_attempt(session, attempt, job, now) if change.requeued else attempt
+    _apply(current, change.state, job, now)
+    if change.run_state is not None:
+        run.state = change.run_state
+        if change.run_state is RunState.RUNNING and run.started_at is None:
+            run.started_at = now
 
 
 def _next_attempt(session: Session, ended: Attempt, job: JobInfo, now: datetime) -> Attempt:

@@ -46,14 +46,54 @@ def submission_record(request: SubmitRequest, *, workdir: str, path: str) -> dic
     kept: a resubmission excludes the denylist of its own day)."""
     record = asdict(request)
     record["exclude"] = []
+    del record["action_id"]  # each resubmission is tagged with its own action
     record["workdir"] = request.workdir or workdir
     record["path"] = path
     return record
 
 
+# The type each recorded field must have (None allowed where the field is optional).
+_RECORD_TYPES: dict[str, tuple[type | tuple[type, ...], bool]] = {
+    "script": (str, False),
+    "job_name": (str, False),
+    "run_id": (str, False),
+    "nodes": (int, False),
+    "spare_nodes": (int, False),
+    "no_kill": (bool, False),
+    "requeue": (bool, False),
+    "exclude": ((list, tuple), False),
+    "signal": (str, True),
+    "time_limit": (str, True),
+    "partition": (str, True),
+    "ntasks_per_node": (int, True),
+    "cpus_per_task": (int, True),
+    "output": (str, True),
+    "workdir": (str, True),
+}
+
+
+def _check_types(record: Mapping[str, Any]) -> None:
+    """A field of the wrong type (``"nodes": "2"``) is refused here, with its name, rather than
+    failing deep inside sbatch's argv."""
+    for name, value in record.items():
+        if name not in _RECORD_TYPES:
+            continue
+        wanted, optional = _RECORD_TYPES[name]
+        if value is None and optional:
+            continue
+        is_bool = isinstance(value, bool)
+        if not isinstance(value, wanted) or (is_bool and wanted is not bool):
+            expected = wanted.__name__ if isinstance(wanted, type) else "a list"
+            raise SubmissionError(
+                f"the recorded submission's {name!r} is {type(value).__name__} {value!r}, "
+                f"expected {expected}"
+            )
+
+
 def request_from_record(record: Mapping[str, Any], exclude: Sequence[str]) -> SubmitRequest:
     """The recorded job with these nodes excluded; a malformed record raises SubmissionError."""
-    known = {f.name for f in fields(SubmitRequest)}
+    known = {f.name for f in fields(SubmitRequest)} - {"action_id"}  # never the record's
+    _check_types(record)
     try:
         request = SubmitRequest(**{k: v for k, v in record.items() if k in known})
     except TypeError as exc:
@@ -129,13 +169,13 @@ class OwnerSubmitter:
         self._timeout_s = timeout_s
         self._uid = os.geteuid() if daemon_uid is None else daemon_uid
 
-    def __call__(self, run: Run, exclude: frozenset[str]) -> str:
+    def __call__(self, run: Run, exclude: frozenset[str], action_id: int) -> str:
         if run.submission is None:
             raise SubmissionError(
                 f"no submission is recorded for run {run.id} (submitted before slurmft kept "
                 f"them?); {WAITING_FOR_OWNER} to submit it again"
             )
-        request = request_from_record(run.submission, sorted(exclude))
+        request = replace(request_from_record(run.submission, sorted(exclude)), action_id=action_id)
         client = CliSlurmClient(self._runner(run, run.submission), timeout_s=self._timeout_s)
         return client.submit(request)
 

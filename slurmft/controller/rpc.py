@@ -3,21 +3,25 @@
 Who is asking comes from the kernel, not from the request: the daemon reads the caller's uid from
 the socket's peer credentials (SO_PEERCRED), so a user sees and acts on their own runs only
 (root sees all). The socket itself is open to every local user for exactly that reason.
+
+The socket is served by ``BoundedServer`` (controller.bounded): the request line must arrive
+within ``daemon.header_timeout_s``, at most ``daemon.socket_max_connections`` connections are
+held (past that the CLI is told to retry), and ``daemon.socket_workers`` threads answer them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import socket
-import socketserver
 import struct
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from slurmft.controller.serving import ServerThread
+from slurmft.controller.bounded import BoundedServer, Connection, Reason, ServerLimits
 from slurmft.errors import SlurmftError
 
 log = logging.getLogger(__name__)
@@ -46,27 +50,67 @@ def peer_uid(sock: socket.socket) -> int:
     return int(uid)
 
 
-class _Handler(socketserver.StreamRequestHandler):
-    operations: Mapping[str, Operation]
+# The defaults of daemon.socket_* and daemon.*_timeout_s (slurmft.config).
+DEFAULT_LIMITS = ServerLimits(
+    max_connections=2048,
+    workers=16,
+    header_timeout_s=10.0,
+    body_timeout_s=30.0,
+    idle_timeout_s=5.0,
+    max_head_bytes=MAX_REQUEST_BYTES,
+    max_per_caller=128,
+)
 
-    def handle(self) -> None:
+
+def _reply_line(reply: Mapping[str, Any]) -> bytes:
+    return json.dumps(reply, default=str).encode() + b"\n"
+
+
+class _RpcProtocol:
+    """One JSON line in, one JSON line out; the caller's uid from the kernel at accept."""
+
+    def __init__(self, operations: Mapping[str, Operation]) -> None:
+        self.operations = operations
+
+    def accepted(self, conn: Connection) -> None:
+        conn.caller["uid"] = peer_uid(conn.sock)
+
+    def head_complete(self, buffer: bytearray) -> bool:
+        return b"\n" in buffer
+
+    def refusal(self, reason: str, limits: ServerLimits) -> bytes:
+        error = {
+            Reason.OVER_CAPACITY: f"the daemon is busy ({limits.max_connections} requests open):"
+            " retry in a moment",
+            Reason.OVER_CALLER_CAP: f"you have {limits.max_per_caller} requests open to the "
+            "daemon already: let them finish, then retry",
+            Reason.HEADER_TIMEOUT: f"the request did not arrive within "
+            f"{limits.header_timeout_s:g}s",
+            Reason.IDLE_TIMEOUT: f"nothing was sent for {limits.idle_timeout_s:g}s",
+            Reason.HEAD_TOO_LARGE: "request too large",
+        }.get(reason, "refused")
+        return _reply_line({"ok": False, "error": error})
+
+    def serve(self, conn: Connection) -> None:
         try:
-            uid = peer_uid(self.request)
-            request = _read_request(self.rfile)
+            request = _parse_request(bytes(conn.buffer))
             operation = self.operations.get(request["op"])
             if operation is None:
                 raise RpcError(f"unknown operation {request['op']!r}")
-            reply: dict[str, Any] = {"ok": True, "result": operation(uid, request["args"])}
+            reply: dict[str, Any] = {
+                "ok": True,
+                "result": operation(conn.caller["uid"], request["args"]),
+            }
         except SlurmftError as exc:
             reply = {"ok": False, "error": str(exc)}
         except Exception:
             log.exception("rpc request failed")
             reply = {"ok": False, "error": "internal error in the daemon; see its log"}
-        self.wfile.write(json.dumps(reply, default=str).encode() + b"\n")
+        conn.sock.sendall(_reply_line(reply))
 
 
-def _read_request(rfile: Any) -> dict[str, Any]:
-    line = rfile.readline(MAX_REQUEST_BYTES + 1)
+def _parse_request(data: bytes) -> dict[str, Any]:
+    line = data.split(b"\n", 1)[0]
     if len(line) > MAX_REQUEST_BYTES:
         raise RpcError("request too large")
     try:
@@ -82,29 +126,37 @@ def _read_request(rfile: Any) -> dict[str, Any]:
 
 
 class RpcServer:
-    """Serves ``operations`` on a unix socket in a background thread."""
+    """Serves ``operations`` on a unix socket within ``limits``."""
 
-    def __init__(self, socket_path: Path, operations: Mapping[str, Operation]) -> None:
+    def __init__(
+        self,
+        socket_path: Path,
+        operations: Mapping[str, Operation],
+        *,
+        limits: ServerLimits = DEFAULT_LIMITS,
+        on_refusal: Callable[[str, Connection], None] | None = None,
+    ) -> None:
         if not socket_path.parent.exists():
             socket_path.parent.mkdir(parents=True)
             # Made here (not by systemd's RuntimeDirectory): searchable by every user whatever
             # the daemon's umask, or their CLI could not reach the socket.
             socket_path.parent.chmod(0o755)
         socket_path.unlink(missing_ok=True)  # a stale socket from a previous daemon
-        handler = type("Handler", (_Handler,), {"operations": dict(operations)})
         self.path = socket_path
-        self._server = socketserver.ThreadingUnixStreamServer(str(socket_path), handler)
-        self._server.daemon_threads = True
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(str(socket_path))
         # Every local user may connect: authorization is by peer uid, per request.
         os.chmod(socket_path, 0o666)
-        self._thread = ServerThread(self._server, "slurmft-rpc")
+        self.server = BoundedServer(
+            listener, _RpcProtocol(dict(operations)), limits, "slurmft-rpc", on_refusal=on_refusal
+        )
 
     def start(self) -> RpcServer:
-        self._thread.start()
+        self.server.start()
         return self
 
     def stop(self) -> None:
-        self._thread.stop()
+        self.server.stop()
         self.path.unlink(missing_ok=True)
 
 
@@ -115,8 +167,12 @@ def call(socket_path: Path, op: str, timeout_s: float = 30.0, **args: Any) -> An
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
             sock.settimeout(timeout_s)
             sock.connect(str(socket_path))
-            sock.sendall(request)
-            reply = json.loads(sock.makefile("rb").readline())
+            with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+                sock.sendall(request)  # a busy daemon answers, and closes, before reading it
+            line = sock.makefile("rb").readline()
+        if not line:
+            raise DaemonUnreachable("the slurmft daemon closed the connection without answering")
+        reply = json.loads(line)
     except (FileNotFoundError, ConnectionRefusedError):
         raise DaemonUnreachable(
             f"the slurmft daemon is not running (nothing listens on {socket_path}): start it "

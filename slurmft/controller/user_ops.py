@@ -1,7 +1,8 @@
 """What users may ask the daemon over the unix socket, scoped to the caller's uid.
 
-A user sees and acts on their own runs only; root sees all. A run that exists but belongs to
-someone else gets the same answer as one that does not exist.
+A user sees and acts on their own runs only; an admin (root, or a member of
+``daemon.admin_group``: slurmft.controller.admins) sees and may cancel all. A run that exists
+but belongs to someone else gets the same answer as one that does not exist.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from slurmft.config import DaemonSection
+from slurmft.controller.admins import ROOT_ONLY, Admins
 from slurmft.controller.ingest import new_run_token, record_refusal
 from slurmft.controller.limits import AuditThrottle
 from slurmft.controller.resubmit import SubmissionError, check_record
@@ -26,16 +28,15 @@ from slurmft.db.models import Action, ActionKind, Attempt, Event, Run, utcnow
 from slurmft.db.records import denied_nodes
 from slurmft.db.states import RunState
 from slurmft.slurm.api import SlurmClient, SlurmError, SlurmJobNotFound
+from slurmft.slurm.commands import is_job_id
 from slurmft.slurm.script import not_the_runs_job
 
-ROOT_UID = 0
 
-
-def _visible(session: Session, uid: int, run_id: object) -> Run:
+def _visible(session: Session, uid: int, run_id: object, admins: Admins) -> Run:
     if not isinstance(run_id, str):
         raise RpcError("a run id is required")
     run = session.get(Run, run_id)
-    if run is None or uid not in (ROOT_UID, run.owner_uid):
+    if run is None or (uid != run.owner_uid and uid not in admins):
         raise RpcError(f"no run {run_id} visible to you (see `slurmft runs`)")
     return run
 
@@ -121,7 +122,7 @@ def _slurm_says_is_the_runs(slurm: SlurmClient, job_id: str, run: Run) -> None:
 
 
 def _attach_job(
-    database: Database, slurm: SlurmClient, uid: int, args: Mapping[str, Any]
+    database: Database, slurm: SlurmClient, uid: int, args: Mapping[str, Any], admins: Admins
 ) -> dict[str, Any]:
     """The job `slurmft submit` made for a run becomes its next attempt, once Slurm confirms
     it is the caller's job for that run."""
@@ -129,12 +130,14 @@ def _attach_job(
     if not isinstance(job_id, str) or not job_id.strip():
         raise RpcError("a Slurm job id is required")
     job_id = job_id.strip()
+    if not is_job_id(job_id):  # stored, it would be asked of Slurm on every control pass
+        raise RpcError(f"not a Slurm job id: {job_id!r} (e.g. 1234, or 1234_5 for an array task)")
     submission = _submission_arg(args)
     with database.session() as session:
-        claimed = _visible(session, uid, args.get("run_id"))
+        claimed = _visible(session, uid, args.get("run_id"), admins)
     _slurm_says_is_the_runs(slurm, job_id, claimed)  # outside a transaction: Slurm may be slow
     with database.session() as session:
-        run = _visible(session, uid, claimed.id)
+        run = _visible(session, uid, claimed.id, admins)
         number = (_latest_attempt(session, run.id) or Attempt(number=0)).number + 1
         session.add(Attempt(run_id=run.id, number=number, slurm_job_id=job_id))
         if submission is not None:  # what a resubmission sends again (controller.resubmit)
@@ -161,7 +164,7 @@ _ACTIVE_STATES = [state for state in RunState if not state.is_terminal]
 
 def _over_quota(session: Session, quota: RunQuota, uid: int, user: str) -> str | None:
     """Why ``user`` may not have one more run, if they may not."""
-    if quota.max_active <= 0 or uid == ROOT_UID or user in quota.exempt:
+    if quota.max_active <= 0 or uid == 0 or user in quota.exempt:  # root
         return None
     active = session.scalar(
         select(func.count())
@@ -187,8 +190,15 @@ class _Quota:
 
 
 def _create_run(
-    database: Database, uid: int, args: Mapping[str, Any], controller_url: str, quota: _Quota
+    database: Database,
+    uid: int,
+    args: Mapping[str, Any],
+    agents: tuple[str, str],
+    quota: _Quota,
 ) -> dict[str, Any]:
+    """A new run for ``uid``, within their quota; ``agents``: the URL its agents report to and
+    the CA file they verify it against."""
+    controller_url, ca_file = agents
     spec = RunSpec.from_dict(dict(args.get("spec") or {}))
     token, digest = new_run_token()
     user = _user_name(uid)
@@ -212,6 +222,7 @@ def _create_run(
                 "run_id": run.id,
                 "token": token,
                 "controller_url": controller_url,
+                "ca_file": ca_file,
                 "exclude": sorted(denied_nodes(session)),
             }
     quota.on_refusal("run_quota")
@@ -226,23 +237,26 @@ def operations(
     *,
     slurm: SlurmClient,
     controller_url: str = "",
+    admins: Admins = ROOT_ONLY,
+    ca_file: str = "",
     quota: RunQuota | None = None,
     on_refusal: Callable[[str], None] | None = None,
 ) -> dict[str, Operation]:
     """The daemon's user-facing operations, bound to its store, to Slurm (to check what users
-    claim about jobs) and, for new runs, to the URL its agents report to. ``quota`` bounds
-    each user's runs; ``on_refusal`` counts what it refuses (a metric)."""
+    claim about jobs), to who its admins are and, for new runs, to the URL its agents report
+    to (and the CA file they verify an https URL against). ``quota`` bounds each user's runs;
+    ``on_refusal`` counts what it refuses (a metric)."""
     run_quota = _Quota(quota or RunQuota(), on_refusal or (lambda _limit: None))
 
     def create_run(uid: int, args: Mapping[str, Any]) -> dict[str, Any]:
-        return _create_run(database, uid, args, controller_url, run_quota)
+        return _create_run(database, uid, args, (controller_url, ca_file), run_quota)
 
     def attach_job(uid: int, args: Mapping[str, Any]) -> dict[str, Any]:
-        return _attach_job(database, slurm, uid, args)
+        return _attach_job(database, slurm, uid, args, admins)
 
     def fail_run(uid: int, args: Mapping[str, Any]) -> dict[str, Any]:
         with database.session() as session:
-            run = _visible(session, uid, args.get("run_id"))
+            run = _visible(session, uid, args.get("run_id"), admins)
             if run.state is RunState.PENDING:
                 run.state = RunState.FAILED
                 run.end_reason = str(args.get("reason") or "submission failed")[:2000]
@@ -251,13 +265,13 @@ def operations(
     def runs(uid: int, args: Mapping[str, Any]) -> list[dict[str, Any]]:
         with database.session() as session:
             query = select(Run).order_by(Run.created_at.desc())
-            if uid != ROOT_UID:
+            if uid not in admins:
                 query = query.where(Run.owner_uid == uid)
             return [_summary(session, run) for run in session.scalars(query)]
 
     def status(uid: int, args: Mapping[str, Any]) -> dict[str, Any]:
         with database.session() as session:
-            run = _visible(session, uid, args.get("run_id"))
+            run = _visible(session, uid, args.get("run_id"), admins)
             recent = session.scalars(
                 select(Action).where(Action.run_id == run.id).order_by(Action.id.desc()).limit(10)
             ).all()
@@ -279,7 +293,7 @@ def operations(
         if not isinstance(limit, int) or limit < 1:
             raise RpcError("limit must be a positive whole number")
         with database.session() as session:
-            run = _visible(session, uid, args.get("run_id"))
+            run = _visible(session, uid, args.get("run_id"), admins)
             rows = session.scalars(
                 select(Event)
                 .where(Event.run_id == run.id)
@@ -300,7 +314,7 @@ def operations(
 
     def cancel(uid: int, args: Mapping[str, Any]) -> dict[str, Any]:
         with database.session() as session:
-            run = _visible(session, uid, args.get("run_id"))
+            run = _visible(session, uid, args.get("run_id"), admins)
             if run.state.is_terminal:
                 raise RpcError(f"run {run.id} already ended ({run.state.value})")
             if run.cancel_requested_at is None:

@@ -46,6 +46,9 @@ class EventKind(enum.StrEnum):
     COLLECTIVE_ERROR = "collective_error"  # a rank saw a peer fail: evidence, not a failure
     RESTART = "restart"  # workers restarted (in place, spare joined, new step, requeue, new job)
     CHECKPOINT = "checkpoint"  # a verified checkpoint: progress
+    # The daemon could not observe, decide or act for this run in a control pass (bad data, a
+    # bug): the error is the message; the pass went on for the other runs.
+    CONTROL_ERROR = "control_error"
 
 
 class ActionKind(enum.StrEnum):

@@ -24,6 +24,7 @@ from slurmft.db.models import (
     FaultClass,
     utcnow,
 )
+from slurmft.slurm.names import check_node_name, is_node_name
 
 
 def record_event(
@@ -96,6 +97,51 @@ def finish_action(action: Action, status: ActionStatus, *, error: str | None = N
     return action
 
 
+# Why an action was recorded as skipped in observe-only mode (daemon.observe_only).
+OBSERVE_ONLY = "observe-only mode: decided and recorded, not executed"
+
+# Why a planned agent command was finished without being delivered.
+EXPIRED = "expired: not delivered to the node's agent in time"
+
+
+def expire_planned_restarts(session: Session, *, older_than: datetime) -> int:
+    """Finish the planned ``restart_workers`` commands created before ``older_than`` as
+    skipped, EXPIRED (the ingest endpoint no longer delivers them); returns how many."""
+    rows = session.scalars(
+        select(Action).where(
+            Action.kind == ActionKind.RESTART_WORKERS,
+            Action.status == ActionStatus.PLANNED,
+            Action.created_at < older_than,
+        )
+    ).all()
+    for row in rows:
+        finish_action(row, ActionStatus.SKIPPED, error=EXPIRED)
+    return len(rows)
+
+
+MAX_CONTROL_ERROR_CHARS = 2000
+
+
+def record_control_error(
+    session: Session, run_id: str | None, stage: str, error: str
+) -> Event | None:
+    """A failure in one run's part of a control pass (observing, deciding or acting for it):
+    an event on that run, once per distinct error (the same one comes every pass until its
+    cause is fixed); None when it was recorded already."""
+    message = f"control pass: {stage} failed: {error}"[:MAX_CONTROL_ERROR_CHARS]
+    same_run = Event.run_id == run_id if run_id is not None else Event.run_id.is_(None)
+    seen = session.scalars(
+        select(Event.id)
+        .where(same_run, Event.kind == EventKind.CONTROL_ERROR, Event.message == message)
+        .limit(1)
+    ).first()
+    if seen is not None:
+        return None
+    return record_event(
+        session, EventKind.CONTROL_ERROR, message, run_id=run_id, details={"stage": stage}
+    )
+
+
 def denylist_add(
     session: Session,
     node: str,
@@ -105,7 +151,10 @@ def denylist_add(
     action_id: int | None = None,
     expires_at: datetime | None = None,
 ) -> DenylistEntry:
-    """Keep ``node`` out of one run (``run_id``) or of every run; an active entry is reused."""
+    """Keep ``node`` out of one run (``run_id``) or of every run; an active entry is reused.
+    A name that is not a Slurm node name is refused (InvalidNodeName): it would reach every
+    later sbatch and scontrol exclude list, and fail them all."""
+    check_node_name(node)
     existing = session.scalars(_active_for(node, run_id)).first()
     if existing is not None:
         return existing
@@ -136,7 +185,9 @@ def denied_nodes(
     rows: Iterable[str] = session.scalars(
         _active(now or utcnow()).with_only_columns(DenylistEntry.node).where(scope)
     )
-    return frozenset(rows)
+    # Every exclude list is built from this: a name that is not a node name (written before
+    # names were checked, by hand) never reaches Slurm; migration 0006 retires such entries.
+    return frozenset(node for node in rows if is_node_name(node))
 
 
 def _active(now: datetime) -> Select[DenylistEntry]:

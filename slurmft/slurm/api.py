@@ -126,6 +126,8 @@ class SubmitRequest:
     cpus_per_task: int | None = None
     output: str | None = None
     workdir: str | None = None
+    # The daemon's action that submits this job (a resubmission): tagged in its comment.
+    action_id: int | None = None
 
     @property
     def total_nodes(self) -> int:
@@ -148,6 +150,10 @@ class SlurmClient(Protocol):
     def jobs(self, job_ids: Sequence[str]) -> dict[str, JobInfo]:
         """Many jobs in one call. A job id missing from the result is unknown to slurmctld now
         (ended and purged, or never existed) — not an error, and not a failure by itself."""
+        ...
+
+    def jobs_of_user(self, uid: int) -> dict[str, JobInfo]:
+        """Every job of one user that slurmctld knows now, in one call (as ``jobs``)."""
         ...
 
     def job(self, job_id: str) -> JobInfo:

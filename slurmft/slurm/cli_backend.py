@@ -67,6 +67,9 @@ class CliSlurmClient:
             return {}
         return parse.parse_squeue(result.stdout)
 
+    def jobs_of_user(self, uid: int) -> dict[str, JobInfo]:
+        return parse.parse_squeue(self._run(commands.squeue_user_argv(uid)).stdout)
+
     def job(self, job_id: str) -> JobInfo:
         records = parse.parse_scontrol_records(self._run(commands.show_job_argv(job_id)).stdout)
         if not records:

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from slurmft.slurm import script
 from slurmft.slurm.api import SignalTarget, SlurmBadRequest, SubmitRequest
 from slurmft.slurm.hostlist import compress
+from slurmft.slurm.names import check_node_name
 
 # squeue: job id, state (long), reason, nodes, batch host, comment, name (free text: last).
 SQUEUE_FIELDS = ("job_id", "state", "reason", "nodes", "batch_host", "comment", "name")
@@ -21,11 +22,16 @@ SQUEUE_FORMAT = "%i|%T|%r|%N|%B|%k|%j"
 SINFO_FIELDS = ("name", "state", "reason_user", "reason_time", "reason")
 SINFO_FORMAT = "%N|%T|%u|%H|%E"
 
-_JOB_ID = re.compile(r"^\d+([_+]\d+)?$")
+_JOB_ID = re.compile(r"\d+([_+]\d+)?")
+
+
+def is_job_id(job_id: object) -> bool:
+    """A Slurm job id: `123`, an array task `123_4` or a het component `123+1`."""
+    return isinstance(job_id, str) and _JOB_ID.fullmatch(job_id) is not None
 
 
 def check_job_id(job_id: str) -> str:
-    if not _JOB_ID.match(job_id):
+    if not is_job_id(job_id):
         raise SlurmBadRequest(f"not a Slurm job id: {job_id!r}")
     return job_id
 
@@ -44,14 +50,14 @@ def submit_argv(request: SubmitRequest) -> list[str]:
         "sbatch",
         "--parsable",
         f"--job-name={script.check_job_name(request.job_name)}",
-        f"--comment={script.comment_for_run(request.run_id)}",
+        f"--comment={script.comment_for_run(request.run_id, request.action_id)}",
         f"--nodes={request.total_nodes}",
         "--requeue" if request.requeue else "--no-requeue",
     ]
     if request.no_kill:
         argv.append("--no-kill")
     if request.exclude:
-        nodes = [script.check_node_name(node) for node in request.exclude]
+        nodes = [check_node_name(node) for node in request.exclude]
         argv.append(f"--exclude={compress(nodes)}")
     if request.signal:
         argv.append(f"--signal={script.check_signal_spec(request.signal)}")
@@ -76,6 +82,13 @@ def squeue_argv(job_ids: Sequence[str]) -> list[str]:
     return ["squeue", "--noheader", "--states=all", f"--jobs={ids}", f"--format={SQUEUE_FORMAT}"]
 
 
+def squeue_user_argv(uid: int) -> list[str]:
+    """Every job of one user that slurmctld still knows, in the same format as `squeue_argv`."""
+    if isinstance(uid, bool) or not isinstance(uid, int) or not 0 <= uid < 2**32:
+        raise SlurmBadRequest(f"not a user id: {uid!r}")
+    return ["squeue", "--noheader", "--states=all", f"--user={uid}", f"--format={SQUEUE_FORMAT}"]
+
+
 def show_job_argv(job_id: str) -> list[str]:
     return ["scontrol", "--oneliner", "show", "job", check_job_id(job_id)]
 
@@ -83,12 +96,12 @@ def show_job_argv(job_id: str) -> list[str]:
 def sinfo_nodes_argv(names: Sequence[str] = ()) -> list[str]:
     argv = ["sinfo", "--noheader", "--Node", f"--format={SINFO_FORMAT}"]
     if names:
-        argv.append(f"--nodes={compress(script.check_node_name(name) for name in names)}")
+        argv.append(f"--nodes={compress(check_node_name(name) for name in names)}")
     return argv
 
 
 def show_node_argv(name: str) -> list[str]:
-    return ["scontrol", "--oneliner", "show", "node", script.check_node_name(name)]
+    return ["scontrol", "--oneliner", "show", "node", check_node_name(name)]
 
 
 def drain_argv(node: str, reason: str) -> list[str]:
@@ -100,14 +113,14 @@ def down_argv(node: str, reason: str) -> list[str]:
 
 
 def resume_argv(node: str) -> list[str]:
-    return ["scontrol", "update", f"NodeName={script.check_node_name(node)}", "State=RESUME"]
+    return ["scontrol", "update", f"NodeName={check_node_name(node)}", "State=RESUME"]
 
 
 def _update_node(node: str, state: str, reason: str) -> list[str]:
     return [
         "scontrol",
         "update",
-        f"NodeName={script.check_node_name(node)}",
+        f"NodeName={check_node_name(node)}",
         f"State={state}",
         f"Reason={script.check_reason(reason)}",
     ]
@@ -123,7 +136,7 @@ def release_argv(job_id: str) -> list[str]:
 
 def set_excluded_nodes_argv(job_id: str, nodes: Sequence[str]) -> list[str]:
     """An empty list clears the excluded nodes."""
-    hostlist = compress(script.check_node_name(node) for node in nodes) if nodes else ""
+    hostlist = compress(check_node_name(node) for node in nodes) if nodes else ""
     return ["scontrol", "update", f"JobId={check_job_id(job_id)}", f"ExcNodeList={hostlist}"]
 
 

@@ -18,12 +18,13 @@ from slurmft.slurm.api import JobInfo, SlurmBadRequest
 
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,128}$")
 _RUN_ID = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
-_NODE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _SIGNAL = re.compile(r"^([BR]{1,2}:)?(SIG)?[A-Z0-9]{1,8}(@\d{1,6})?$")
 _TIME_LIMIT = re.compile(r"^(UNLIMITED|INFINITE|\d+(-\d+)?(:\d+){0,2})$")
 _PARTITION = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 _COMMENT_PREFIX = "slurmft-run:"
+_ACTION_SEPARATOR = " "
+_ACTION_PREFIX = "slurmft-action:"
 MAX_REASON_CHARS = 256
 
 
@@ -39,18 +40,33 @@ def check_job_name(name: str) -> str:
     return name
 
 
-def comment_for_run(run_id: str) -> str:
-    """The --comment that tags a job with its run: `slurmft-run:<run id>`."""
+def comment_for_run(run_id: str, action_id: int | None = None) -> str:
+    """The --comment that tags a job with its run: `slurmft-run:<run id>`; a job the daemon
+    submits carries the id of the action that submitted it too (`slurmft-action:<id>`), so a
+    daemon that stopped before it recorded sbatch's answer finds the job instead of submitting
+    another (slurmft.controller.intents)."""
     if not _RUN_ID.match(run_id):
         raise SlurmBadRequest(f"run id {run_id!r} must match [A-Za-z0-9_.-]{{1,64}}")
-    return _COMMENT_PREFIX + run_id
+    if action_id is None:
+        return _COMMENT_PREFIX + run_id
+    return f"{_COMMENT_PREFIX}{run_id}{_ACTION_SEPARATOR}{_ACTION_PREFIX}{int(action_id)}"
 
 
 def run_id_from_comment(comment: str) -> str | None:
-    if not comment.startswith(_COMMENT_PREFIX):
+    head = comment.split(_ACTION_SEPARATOR, 1)[0]
+    if not head.startswith(_COMMENT_PREFIX):
         return None
-    run_id = comment.removeprefix(_COMMENT_PREFIX)
+    run_id = head.removeprefix(_COMMENT_PREFIX)
     return run_id if _RUN_ID.match(run_id) else None
+
+
+def action_id_from_comment(comment: str) -> int | None:
+    """The id of the daemon's action that submitted the job, when it did."""
+    _, _, tail = comment.partition(_ACTION_SEPARATOR)
+    if run_id_from_comment(comment) is None or not tail.startswith(_ACTION_PREFIX):
+        return None
+    digits = tail.removeprefix(_ACTION_PREFIX)
+    return int(digits) if digits.isascii() and digits.isdigit() and len(digits) <= 18 else None
 
 
 def not_the_runs_job(job: JobInfo, run_id: str, owner_uid: int) -> str | None:
@@ -69,12 +85,6 @@ def not_the_runs_job(job: JobInfo, run_id: str, owner_uid: int) -> str | None:
     return None
 
 
-def check_node_name(name: str) -> str:
-    if not _NODE_NAME.match(name):
-        raise SlurmBadRequest(f"not a node name: {name!r}")
-    return name
-
-
 def check_reason(reason: str) -> str:
     """Drain/down reasons go to scontrol as one argv word; Slurm keeps them verbatim (measured),
     but a newline would split `sinfo`/`scontrol -o` lines, so control characters are refused."""
@@ -86,6 +96,20 @@ def check_reason(reason: str) -> str:
     if len(reason) > MAX_REASON_CHARS:
         raise SlurmBadRequest(f"reason longer than {MAX_REASON_CHARS} characters")
     return reason
+
+
+TRUNCATED_MARK = " [truncated]"
+
+
+def slurm_reason(reason: str) -> str:
+    """A drain/down reason Slurm takes: control characters become spaces and a reason longer
+    than MAX_REASON_CHARS is cut, ending in TRUNCATED_MARK (the action row keeps it whole)."""
+    cleaned = " ".join(
+        "".join(" " if ord(char) < 32 or ord(char) == 127 else char for char in reason).split()
+    )
+    if len(cleaned) <= MAX_REASON_CHARS:
+        return cleaned
+    return cleaned[: MAX_REASON_CHARS - len(TRUNCATED_MARK)].rstrip() + TRUNCATED_MARK
 
 
 def check_signal_spec(spec: str) -> str:

@@ -10,12 +10,14 @@ from sqlalchemy import select
 
 from slurmft.controller import views as v
 from slurmft.controller.act import OBSERVE_ONLY, Executor
+from slurmft.controller.resubmit import OwnerSubmitter
 from slurmft.db import Database
 from slurmft.db.models import (
     Action,
     ActionKind,
     ActionStatus,
     Attempt,
+    DenylistEntry,
     Event,
     EventKind,
     FaultClass,
@@ -24,6 +26,9 @@ from slurmft.db.models import (
 from slurmft.db.records import denied_nodes
 from slurmft.db.states import AttemptState, RunState
 from slurmft.slurm.api import JobInfo, SlurmError, SlurmPermissionDenied, SlurmUnreachable
+from slurmft.slurm.cli_backend import CliSlurmClient
+from slurmft.slurm.runner import CommandResult
+from slurmft.slurm.script import MAX_REASON_CHARS, TRUNCATED_MARK
 from slurmft.slurm.states import JobState
 
 
@@ -212,7 +217,7 @@ def test_resubmit_opens_the_next_attempt_with_the_new_job(
     seed_run(database, "r2", job_id="7")
     submitted: list[tuple[str, frozenset[str]]] = []
 
-    def submit(run: Run, exclude: frozenset[str]) -> str:
+    def submit(run: Run, exclude: frozenset[str], action_id: int) -> str:
         submitted.append((run.id, exclude))
         return "8"
 
@@ -237,7 +242,7 @@ def test_a_failed_submission_charges_nothing_until_a_job_exists(
         "r3", "job 7 ended (failed)", exclude=frozenset(), restarts_without_progress=3
     )
 
-    def refused(run: Run, exclude: frozenset[str]) -> str:
+    def refused(run: Run, exclude: frozenset[str], action_id: int) -> str:
         raise SlurmUnreachable("slurmctld not responding")
 
     (outcome,) = Executor(database, RecordingSlurm(), submit_attempt=refused).execute([action])  # type: ignore[arg-type]
@@ -246,7 +251,10 @@ def test_a_failed_submission_charges_nothing_until_a_job_exists(
         run = s.get(Run, "r3")
         assert run is not None and run.restarts_without_progress == 0
 
-    Executor(database, RecordingSlurm(), submit_attempt=lambda run, exclude: "8").execute([action])  # type: ignore[arg-type]
+    def submitted(run: Run, exclude: frozenset[str], action_id: int) -> str:
+        return "8"
+
+    Executor(database, RecordingSlurm(), submit_attempt=submitted).execute([action])  # type: ignore[arg-type]
     with database.session() as s:
         run = s.get(Run, "r3")
         assert run is not None and run.restarts_without_progress == 3
@@ -316,3 +324,149 @@ def test_observe_only_records_a_repeated_decision_once(database: Database, run_i
     ]
     executor.execute([v.ExcludeNode(run_id, "slurmft: node n2 lost (active)", node="n2")])
     assert len(_actions(database)) == 3  # a new decision is a new row
+
+
+# --- one run's failure stays in that run (issue 14, item 3) -----------------------------------
+
+
+def _run_state(database: Database, run_id: str) -> RunState:
+    with database.session() as s:
+        run = s.get(Run, run_id)
+        assert run is not None
+        return run.state
+
+
+def test_a_mistyped_submission_record_is_refused_for_its_run_and_later_runs_still_act(
+    database: Database, seed_run: Callable[..., None]
+) -> None:
+    record = {
+        "script": "#!/bin/bash\nexec true\n",
+        "job_name": "slurmft-a",
+        "run_id": "ra",
+        "nodes": "2",  # a string: sbatch's argv would compare it with 1 and raise
+        "exclude": [],
+    }
+    seed_run(database, "ra", job_id="7", submission=record)
+    seed_run(database, "rb", job_id="8")
+    outcomes = Executor(
+        database, RecordingSlurm(), submit_attempt=OwnerSubmitter(slurm_conf=None, timeout_s=5)
+    ).execute(  # type: ignore[arg-type]
+        [
+            v.SubmitAttempt("ra", "job 7 ended (time_limit)", {"key": "resubmit:7"}),
+            v.FinishRun("rb", "the training script finished", state=RunState.COMPLETED),
+        ]
+    )
+    assert [o.status for o in outcomes] == [ActionStatus.SKIPPED, ActionStatus.DONE]
+    assert outcomes[0].error == ("the recorded submission's 'nodes' is str '2', expected int")
+    assert _run_state(database, "rb") is RunState.COMPLETED
+
+
+def test_an_unexpected_error_in_one_runs_action_is_its_failed_row_and_the_rest_go_on(
+    database: Database, seed_run: Callable[..., None]
+) -> None:
+    seed_run(database, "ra", job_id="7")
+    seed_run(database, "rb", job_id="8")
+
+    def broken(run: Run, exclude: frozenset[str], action_id: int) -> str:
+        raise KeyError("partition")  # a bug, not a Slurm error
+
+    outcomes = Executor(database, RecordingSlurm(), submit_attempt=broken).execute(  # type: ignore[arg-type]
+        [
+            v.SubmitAttempt("ra", "job 7 ended (failed)", {"key": "resubmit:7"}),
+            v.FinishRun("rb", "the training script finished", state=RunState.COMPLETED),
+        ]
+    )
+    assert [o.status for o in outcomes] == [ActionStatus.FAILED, ActionStatus.DONE]
+    with database.session() as s:
+        failed = s.scalars(select(Action).where(Action.run_id == "ra")).one()
+        assert (failed.kind, failed.status) == (ActionKind.RESUBMIT, ActionStatus.FAILED)
+        assert failed.error == "internal error: KeyError: 'partition'"
+        assert failed.evidence == {"key": "resubmit:7"}  # decided again after a while
+        assert s.scalars(select(Attempt).where(Attempt.run_id == "ra")).one().number == 1
+    assert _run_state(database, "rb") is RunState.COMPLETED
+
+
+# --- drains: refused ones leave nothing global, reasons fit Slurm (issue 14, item 4) -----------
+
+
+def test_a_refused_drain_leaves_no_global_denylist_entry(database: Database, run_id: str) -> None:
+    slurm = RecordingSlurm(fail={"drain": SlurmPermissionDenied("Access/permission denied")})
+    outcomes = Executor(database, slurm).execute(  # type: ignore[arg-type]
+        [v.ExcludeNode(run_id, XID79, node="n2"), v.DrainNode(run_id, XID79, node="n2")]
+    )
+    assert [o.status for o in outcomes] == [ActionStatus.DONE, ActionStatus.SKIPPED]
+    with database.session() as s:
+        assert denied_nodes(s) == frozenset()  # every other run may still use n2
+        assert denied_nodes(s, run_id=run_id) == {"n2"}  # the run that saw the fault may not
+
+
+class AcceptingRunner:
+    """Slurm's CLI that accepts every command, and records the argv it was given."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, ...]] = []
+
+    def run(
+        self, argv: Sequence[str], timeout: float, *, stdin: str | None = None
+    ) -> CommandResult:
+        self.calls.append(tuple(argv))
+        return CommandResult(tuple(argv), 0, "", "")
+
+
+def test_a_long_drain_reason_is_cut_for_slurm_and_kept_whole_in_its_row(
+    database: Database, run_id: str
+) -> None:
+    reason = "slurmft: Xid 79 GPU has fallen off the bus: " + "detail " * 80 + "\nend"
+    runner = AcceptingRunner()
+    (outcome,) = Executor(database, CliSlurmClient(runner)).execute(
+        [v.DrainNode(run_id, reason, node="n2")]
+    )
+    assert outcome.status is ActionStatus.DONE
+    (argv,) = runner.calls
+    sent = next(arg for arg in argv if arg.startswith("Reason=")).removeprefix("Reason=")
+    assert len(sent) <= MAX_REASON_CHARS and sent.endswith(TRUNCATED_MARK)
+    assert sent.startswith("slurmft: Xid 79 GPU has fallen off the bus: detail")
+    with database.session() as s:
+        row = s.scalars(select(Action)).one()
+        assert (row.reason, row.status) == (reason, ActionStatus.DONE)
+        assert denied_nodes(s) == {"n2"}
+
+
+# --- only node names enter the denylist and exclude lists (issue 14, item 5) -------------------
+
+
+def test_a_name_that_is_no_node_name_never_enters_the_denylist_or_reaches_slurm(
+    database: Database, run_id: str
+) -> None:
+    slurm = RecordingSlurm()
+    outcomes = Executor(database, slurm).execute(  # type: ignore[arg-type]
+        [
+            v.ExcludeNode(run_id, XID79, node="n1,n2"),
+            v.DrainNode(run_id, XID79, node="n[1-3]"),
+            v.ExcludeNode(run_id, XID79, node="n4"),
+        ]
+    )
+    assert [o.status for o in outcomes] == [
+        ActionStatus.FAILED,
+        ActionStatus.FAILED,
+        ActionStatus.DONE,
+    ]
+    assert outcomes[0].error is not None and "not a Slurm node name: 'n1,n2'" in outcomes[0].error
+    assert slurm.calls == []
+    with database.session() as s:
+        assert denied_nodes(s, run_id=run_id) == {"n4"}
+
+
+def test_an_invalid_name_already_denylisted_is_left_out_of_every_exclude_list(
+    database: Database, run_id: str
+) -> None:
+    with database.session() as s:  # written before names were checked
+        s.add_all(
+            [
+                DenylistEntry(node="n3", reason="slurmft: Xid 79"),
+                DenylistEntry(node="n[1-6]", reason="posted by an agent"),
+                DenylistEntry(node="n5 --exclude", reason="posted", run_id=run_id),
+            ]
+        )
+    with database.session() as s:  # what gather puts into the view, and create_run gives sbatch
+        assert denied_nodes(s, run_id=run_id) == {"n3"}

@@ -148,7 +148,7 @@ def test_a_resent_batch_is_acknowledged_again_and_stored_once(counterpart: Count
 
 @pytest.mark.parametrize(
     ("token", "run_id", "status"),
-    [("", RUN, 401), ("not-the-token", RUN, 403), (None, "another-run", 403)],
+    [("", RUN, 401), ("not-the-token", RUN, 401), (None, "another-run", 403)],
     ids=["no token", "wrong token", "another run"],
 )
 def test_a_batch_without_its_runs_token_is_refused_and_dropped(

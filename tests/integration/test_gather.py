@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 
 from sqlalchemy import event, select
@@ -22,6 +23,7 @@ from slurmft.db.models import (
     FaultClass,
     Run,
 )
+from slurmft.db.records import OBSERVE_ONLY
 from slurmft.db.states import AttemptState, RunState
 from slurmft.gpu.api import FaultAction
 from slurmft.slurm.api import JobInfo
@@ -225,3 +227,38 @@ def test_gather_only_reads_and_reconcile_writes(database: Database) -> None:
             event.remove(database.engine, "before_cursor_execute", note_writes)
     assert written == []
     assert any(r.run_id == "r14" for r in view.runs)
+
+
+def test_attempted_drains_count_against_the_hourly_limit_not_only_done_ones(
+    database: Database,
+) -> None:
+    """A drain refused for lack of operator rights, or failed, still counts: otherwise each pass
+    tries the hour's allowance again (issue 14, item 4). Observe-only's records do not count."""
+    _seed(database)
+    with database.session() as s:
+        for status, error, age_min in (
+            (ActionStatus.DONE, None, 10),
+            (ActionStatus.SKIPPED, "drain requested, not permitted: Invalid user id", 20),
+            (ActionStatus.FAILED, "reason longer than 256 characters", 30),
+            (ActionStatus.PLANNED, None, 1),  # the daemon died between plan and drain
+            (ActionStatus.SKIPPED, OBSERVE_ONLY, 5),  # decided, never tried
+            (ActionStatus.DONE, None, 90),  # outside the hour
+        ):
+            s.add(
+                Action(
+                    kind=ActionKind.DRAIN_NODE,
+                    node="n9",
+                    reason="slurmft: Xid 79",
+                    status=status,
+                    error=error,
+                    created_at=NOW - timedelta(minutes=age_min),
+                )
+            )
+    runner = ReplayRunner(["squeue_requeued", "sinfo_nodes_drained", "show_job_requeued"])
+    with database.session() as s:
+        view = observe(s, CliSlurmClient(runner), now=NOW)
+    assert view.drains_last_hour == 4
+    # Four drains an hour by default: the fault's drain becomes a notice to a person.
+    actions = decide(replace(view, partition_nodes=100, drained_nodes=0), Policy())
+    refused = [a for a in actions if isinstance(a, NotifyHuman)]
+    assert [a.reason.split(":")[0] for a in refused] == ["drain of n4 refused by the rate limits"]

@@ -6,12 +6,13 @@ import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
-from sqlalchemy import inspect, select
+from sqlalchemy import func, inspect, select
 
 from slurmft.db import Database, SchemaOutOfDate
 from slurmft.db.database import migrations_dir
 from slurmft.db.history import HISTORY_VIEWS, read_view
-from slurmft.db.models import Base, Event, EventKind, FaultClass, Run
+from slurmft.db.models import Base, DenylistEntry, Event, EventKind, FaultClass, Run
+from slurmft.db.records import denied_nodes
 from slurmft.db.states import RunState
 
 
@@ -85,3 +86,42 @@ def test_store_from_a_newer_slurmft_is_refused(database: Database) -> None:
         conn.exec_driver_sql("UPDATE alembic_version SET version_num = '9999'")
     with pytest.raises(SchemaOutOfDate, match="newer slurmft"):
         database.require_current()
+
+
+def test_0006_retires_denylisted_names_that_are_no_node_names_and_keeps_them(
+    database: Database,
+) -> None:
+    """Issue 14, item 5: entries written before names were checked end (removed_at set, the
+    reason kept with why); valid and already-ended entries stay as they were; downgrading
+    brings them back."""
+    database.downgrade("0004")
+    ended = datetime(2026, 11, 1, tzinfo=UTC)
+    with database.session() as s:
+        for node, removed_at in (
+            ("n7", None),
+            ("gpu-a.rack_2", None),
+            ("n[1-6]", None),
+            ("n1,n2", None),
+            ("n3 --exclude", None),
+            ("n4\n", None),
+            ("-n5", None),
+            ("n[8]", ended),  # ended already: left alone
+        ):
+            s.add(DenylistEntry(node=node, reason="slurmft: Xid 79", removed_at=removed_at))
+    database.upgrade()
+    with database.session() as s:
+        rows = {e.node: (e.removed_at, e.reason) for e in s.scalars(select(DenylistEntry))}
+        assert denied_nodes(s) == {"n7", "gpu-a.rack_2"}
+    assert len(rows) == 8  # nothing deleted
+    for node in ("n[1-6]", "n1,n2", "n3 --exclude", "n4\n", "-n5"):
+        removed_at, reason = rows[node]
+        assert removed_at is not None, node
+        assert reason == "slurmft: Xid 79 [retired by migration 0006: not a valid Slurm node name]"
+    assert rows["n7"] == (None, "slurmft: Xid 79")
+    assert rows["n[8]"] == (ended, "slurmft: Xid 79")
+
+    database.downgrade("0004")
+    with database.session() as s:
+        active = s.scalars(select(DenylistEntry).where(DenylistEntry.removed_at.is_(None)))
+        assert {e.reason for e in active} == {"slurmft: Xid 79"}
+        assert s.scalar(select(func.count()).where(DenylistEntry.removed_at.is_(None))) == 7

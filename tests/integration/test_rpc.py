@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import pwd
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
@@ -13,6 +14,7 @@ from typing import Any
 import pytest
 from support.slurm_recordings import RecordedCluster
 
+from slurmft.controller.admins import Admins
 from slurmft.controller.rpc import DaemonUnreachable, RpcError, RpcServer, call
 from slurmft.controller.user_ops import operations
 from slurmft.db import Database
@@ -172,3 +174,30 @@ def test_cli_commands_go_through_the_socket(
         main(["runs"])
     assert info.value.code == 1
     assert "daemon is not running" in capsys.readouterr().err
+
+
+@pytest.mark.users
+def test_members_of_the_admin_group_see_and_cancel_every_run_and_no_one_else_does(
+    database: Database, seed_run: Callable[..., None]
+) -> None:
+    alice, bob = pwd.getpwnam("slurmft-alice"), pwd.getpwnam("slurmft-bob")
+    for run_id, user in (("alices", alice), ("bobs", bob)):
+        seed_run(database, run_id, job_id="7", owner_uid=user.pw_uid, owner_name=user.pw_name)
+    slurm = CliSlurmClient(RecordedCluster(["show_job_running"]))
+    # Each test user has a group of their own: alice's makes her, and only her, an admin.
+    ops = operations(database, slurm=slurm, admins=Admins("slurmft-alice"))
+    assert {r["run_id"] for r in ops["runs"](alice.pw_uid, {})} == {"alices", "bobs"}
+    assert ops["status"](alice.pw_uid, {"run_id": "bobs"})["owner"] == "slurmft-bob"
+    assert ops["cancel"](alice.pw_uid, {"run_id": "bobs"})["cancel_requested"]
+    assert [r["run_id"] for r in ops["runs"](bob.pw_uid, {})] == ["bobs"]
+    with pytest.raises(RpcError, match="no run alices visible to you"):
+        ops["cancel"](bob.pw_uid, {"run_id": "alices"})
+    # A group that does not exist makes no one an admin but root.
+    typo = operations(database, slurm=slurm, admins=Admins("slurmft-alcie"))
+    assert [r["run_id"] for r in typo["runs"](alice.pw_uid, {})] == ["alices"]
+    assert {r["run_id"] for r in typo["runs"](0, {})} == {"alices", "bobs"}
+    with database.session() as s:
+        cancelled = s.get(Run, "bobs")
+        kept = s.get(Run, "alices")
+        assert cancelled is not None and cancelled.cancel_requested_at is not None
+        assert kept is not None and kept.cancel_requested_at is None

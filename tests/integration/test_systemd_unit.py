@@ -126,3 +126,23 @@ def test_example_config_loads_and_matches_the_unit(tmp_path: Path) -> None:
     assert config.settings.paths.state_dir == environment["SLURMFT_PATHS_STATE_DIR"]
     assert config.settings.paths.runtime_dir == environment["SLURMFT_PATHS_RUNTIME_DIR"]
     assert config.settings.daemon.metrics_listen.startswith("127.0.0.1:")  # localhost by default
+
+
+def test_the_units_file_and_task_limits_hold_the_daemons_caps() -> None:
+    """Each connection the daemon may hold is a descriptor, each answering thread a task: the
+    unit's limits must leave room for the caps' defaults and for the rest of the daemon (the
+    store's pool, logs, the scheduler, Slurm commands), or a flood ends in EMFILE or EAGAIN
+    instead of a 503."""
+    from slurmft.config import DaemonSection
+    from slurmft.controller.health import OPS_LIMITS
+
+    d = _directives(UNIT)
+    nofile, tasks = int(d["LimitNOFILE"][0]), int(d["TasksMax"][0])
+    connections = (
+        DaemonSection.ingest_max_connections
+        + DaemonSection.socket_max_connections
+        + OPS_LIMITS.max_connections
+    )
+    threads = DaemonSection.ingest_workers + DaemonSection.socket_workers + OPS_LIMITS.workers
+    assert connections + 1024 <= nofile <= 1_048_576
+    assert threads + 64 <= tasks <= 4 * (threads + 64)

@@ -5,8 +5,9 @@ tests/integration/test_daemon_contract.py runs the same assertions against both:
 
 - a batch is acknowledged with its own ``seq``; a resend (a ``seq`` at or below the agent's
   newest stored one) is acknowledged again and stored once;
-- given run tokens, a batch without a bearer token is refused with 401, one whose token is not
-  its run's (or whose run is unknown) with 403, and nothing of it is stored; without run tokens
+- given run tokens, a batch without a bearer token, or with one that is no run's, is refused
+  with 401 before its body is read, one whose token is another run's (or whose run is unknown)
+  with 403, and nothing of it is stored; without run tokens
   every batch is taken (agents under test that were given no token);
 - a batch out of the wire's bounds is refused with 400 when its header is, with 422 naming the
   refused items (slurmft.protocol.RefusedItems) when only some items are, and nothing of it is
@@ -101,13 +102,15 @@ class FakeController:
 
     def answer(self, body: bytes, authorization: str) -> BatchReply:
         """Store the posted batch (once) and say what its node must do; Refused when it is
-        refused. The checks come in the real daemon's order: the token's presence, the body,
-        then whether the token is the run's."""
+        refused. The checks come in the real daemon's order: the token's presence and whether
+        it is any run's (from the headers), the body, then whether the token is the run's."""
         with self._lock:
             self.tokens.append(authorization)
             token = _bearer(authorization)
             if token is None and self.run_tokens is not None:
                 raise Refused(HTTPStatus.UNAUTHORIZED, "missing 'Authorization: Bearer <token>'")
+            if self.run_tokens is not None and token not in self.run_tokens.values():
+                raise Refused(HTTPStatus.UNAUTHORIZED, "token not valid for any run")
             batch = _parse(body)
             self.attempts.append(batch)
             if len(self.attempts) <= self.fail_first:

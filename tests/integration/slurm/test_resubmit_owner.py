@@ -65,11 +65,14 @@ def test_a_root_daemon_submits_the_recorded_job_as_the_runs_owner(
     submitter = OwnerSubmitter(
         slurm_conf=os.environ["SLURM_CONF"], timeout_s=20, daemon_uid=os.geteuid()
     )
-    job_id = submitter(_run_of(alice.uid, alice.name, request, workdir), frozenset({"n6"}))
+    run = _run_of(alice.uid, alice.name, request, workdir)
+    job_id = submitter(run, frozenset({"n6"}), 41)
     cluster._jobs.append(job_id)
 
     record = _job_record(job_id)
     assert record["UserId"] == f"{alice.name}({alice.uid})"
+    # Tagged with the action that submitted it: a restarted daemon finds it by that.
+    assert record["Comment"] == "slurmft-run:rowner slurmft-action:41"
     assert record["ExcNodeList"] == "n6"  # today's exclusions, not the recorded ones
     assert record["WorkDir"] == str(workdir)
     who, _ = wait_for_value(
@@ -88,4 +91,4 @@ def test_a_daemon_that_is_neither_root_nor_the_owner_waits_for_the_owner(
     request = SubmitRequest(script="#!/bin/bash\ntrue\n", job_name="x", run_id="rowner", nodes=1)
     submitter = OwnerSubmitter(slurm_conf=None, timeout_s=20, daemon_uid=bob.uid)
     with pytest.raises(SubmissionError, match=WAITING_FOR_OWNER):
-        submitter(_run_of(alice.uid, alice.name, request, tmp_path), frozenset())
+        submitter(_run_of(alice.uid, alice.name, request, tmp_path), frozenset(), 1)

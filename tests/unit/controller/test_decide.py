@@ -521,3 +521,17 @@ def test_the_crash_loop_count_is_decided_from_the_evidence_and_recorded_once() -
     assert actions[0].restarts_without_progress == 6  # type: ignore[attr-defined]
     assert ("FinishRun", "stopped") in _summary(actions)
     assert "crash loop: 5 restarts in a row without progress" in actions[1].reason
+
+
+def test_a_run_whose_view_cannot_be_decided_is_recorded_and_the_others_are_decided() -> None:
+    """Issue 14, item 3: deciding for one run fails (its data, a bug): that run gets a
+    control-error event, once per attempt, and every other run is decided as usual."""
+    broken = _run(run_id="ra", nodes=(None,))  # not a NodeView: deciding for it raises
+    lost = _run(run_id="rb", nodes=_nodes(lost=("n2",)))
+    actions = decide(_view(broken, lost), POLICY)
+    (error,) = [a for a in actions if a.run_id == "ra"]
+    assert isinstance(error, RecordEvent) and error.kind is EventKind.CONTROL_ERROR
+    assert error.reason.startswith("control pass: deciding failed: AttributeError")
+    assert ("ExcludeNode", "n2") in _summary([a for a in actions if a.run_id == "rb"])
+    again = replace(broken, reported=frozenset({error.key}))
+    assert [a.run_id for a in decide(_view(again, lost), POLICY)].count("ra") == 0

@@ -52,3 +52,35 @@ def test_a_record_is_the_same_job_with_the_days_exclusions() -> None:
 def test_a_malformed_record_is_refused_with_the_reason(record: object, message: str) -> None:
     with pytest.raises(SubmissionError, match=message):
         check_record(record)
+
+
+_GOOD = {"script": "#!/bin/bash\n", "job_name": "x", "run_id": "r1", "nodes": 1}
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("nodes", "2", "'nodes' is str '2', expected int"),
+        ("nodes", True, "'nodes' is bool True, expected int"),
+        ("no_kill", "yes", "'no_kill' is str 'yes', expected bool"),
+        ("time_limit", 60, "'time_limit' is int 60, expected str"),
+        ("exclude", "n1", "'exclude' is str 'n1', expected a list"),
+    ],
+)
+def test_a_field_of_the_wrong_type_is_refused_with_its_name(
+    field: str, value: object, message: str
+) -> None:
+    """Issue 14, item 3: a mistyped record is a SubmissionError (its run waits for the owner),
+    never an exception deep in sbatch's argv that stops the pass for every run."""
+    with pytest.raises(SubmissionError, match=message):
+        request_from_record({**_GOOD, field: value}, ())
+    assert request_from_record({**_GOOD, "time_limit": None}, ()).time_limit is None
+
+
+def test_every_submit_request_field_has_its_recorded_type() -> None:
+    from dataclasses import fields
+
+    from slurmft.controller.resubmit import _RECORD_TYPES
+
+    # action_id is never the record's: each resubmission is tagged with its own action.
+    assert {f.name for f in fields(SubmitRequest)} - {"action_id"} == set(_RECORD_TYPES)

@@ -6,8 +6,10 @@ import json
 from collections.abc import Callable
 
 import pytest
+from support.slurm_recordings import ReplayRunner
 
-from slurmft.slurm.api import SlurmError
+from slurmft.slurm import CliSlurmClient, commands
+from slurmft.slurm.api import SlurmBadRequest, SlurmError
 from slurmft.slurm.parse import (
     job_from_scontrol,
     node_from_scontrol,
@@ -18,7 +20,12 @@ from slurmft.slurm.parse import (
     parse_squeue,
 )
 from slurmft.slurm.runner import CommandResult
-from slurmft.slurm.script import not_the_runs_job, run_id_from_comment
+from slurmft.slurm.script import (
+    action_id_from_comment,
+    comment_for_run,
+    not_the_runs_job,
+    run_id_from_comment,
+)
 from slurmft.slurm.states import JobState, NodeBase, NodeFlag
 from slurmft.slurm.version import SlurmVersion, parse_version
 
@@ -186,3 +193,43 @@ def test_a_job_is_the_runs_only_with_its_owner_and_its_comment(recorded: Recorde
     assert not_the_runs_job(unknown_owner, "run-0001", owner_uid=0) == (
         "Slurm did not say who owns job 14"
     )
+
+
+def test_one_users_jobs_name_the_action_that_submitted_them(
+    replay: Callable[..., tuple[CliSlurmClient, ReplayRunner]],
+) -> None:
+    """How a restarted daemon finds the job an interrupted resubmission submitted."""
+    client, runner = replay("squeue_user")
+    jobs = client.jobs_of_user(0)
+    assert runner.exhausted
+    assert sorted(jobs) == ["1", "2"]
+    tagged, plain = jobs["2"], jobs["1"]
+    assert tagged.comment == comment_for_run("rec-resubmitted", 7)
+    assert run_id_from_comment(tagged.comment) == "rec-resubmitted"
+    assert action_id_from_comment(tagged.comment) == 7
+    assert (run_id_from_comment(plain.comment), action_id_from_comment(plain.comment)) == (
+        "rec-held",
+        None,
+    )
+
+
+@pytest.mark.parametrize(
+    "comment",
+    [
+        "slurmft-run:r1 slurmft-action:",
+        "slurmft-run:r1 slurmft-action:7x",
+        "slurmft-run:r1 slurmft-action:-7",
+        "slurmft-run:r1 slurmft-action:" + "9" * 19,
+        "slurmft-run:r1 slurmft-action:٣",  # a digit, not an ASCII one
+        "slurmft-run:r1  slurmft-action:7",
+        "someone's slurmft-action:7",
+    ],
+)
+def test_an_action_tag_is_read_only_when_it_is_exactly_one(comment: str) -> None:
+    assert action_id_from_comment(comment) is None
+
+
+def test_a_users_jobs_are_asked_for_by_a_valid_uid() -> None:
+    for uid in (-1, 2**32, True, "0"):
+        with pytest.raises(SlurmBadRequest):
+            commands.squeue_user_argv(uid)  # type: ignore[arg-type]
