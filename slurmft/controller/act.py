@@ -37,7 +37,13 @@ from slurmft.db.models import (
     Run,
     utcnow,
 )
-from slurmft.db.records import denylist_add, finish_action, plan_action, record_event
+from slurmft.db.records import (
+    denylist_add,
+    finish_action,
+    named_by_own_evidence,
+    plan_action,
+    record_event,
+)
 from slurmft.db.states import AttemptState, RunState
 from slurmft.errors import SlurmftError
 from slurmft.slurm.api import SlurmClient, SlurmError, SlurmJobNotFound, SlurmPermissionDenied
@@ -135,7 +141,7 @@ class Executor:
             return Outcome(action, ActionStatus.PLANNED)  # the webhook job delivers it
         try:
             effect()
-        except (SlurmPermissionDenied, SubmissionError, NotTheRunsJob) as exc:
+        except (SlurmPermissionDenied, SubmissionError, NotTheRunsJob, NotTheRunsNode) as exc:
             # Not an error to retry: this daemon may not do it. A person has to.
             error = (
                 f"drain requested, not permitted: {exc}"
@@ -163,6 +169,8 @@ class Executor:
             case v.DrainNode(node=node):
 
                 def drain() -> None:
+                    if not named_by_own_evidence(session, node, action.run_id):
+                        raise NotTheRunsNode(f"no evidence of run {action.run_id} names {node}")
                     denylist_add(session, node, action.reason)
                     self._slurm.drain(node, action.reason)
 
@@ -268,6 +276,11 @@ class Executor:
 class NotTheRunsJob(SlurmftError):
     """Slurm says the job a run's action names is not that run's (another owner, another
     run's comment): the daemon does not touch it, and a person is told."""
+
+
+class NotTheRunsNode(SlurmftError):
+    """A drain names a node that no evidence of the run's own (an event judged not foreign)
+    names: the daemon does not drain it, and a person is told."""
 
 
 def _skipped_before(session: Session, kind: ActionKind, node: str | None, action: v.Action) -> bool:

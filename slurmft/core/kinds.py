@@ -46,6 +46,9 @@ class EventKind(enum.StrEnum):
     COLLECTIVE_ERROR = "collective_error"  # a rank saw a peer fail: evidence, not a failure
     RESTART = "restart"  # workers restarted (in place, spare joined, new step, requeue, new job)
     CHECKPOINT = "checkpoint"  # a verified checkpoint: progress
+    # The batch step's report of its job and nodes (protocol.AllocationReport), judged against
+    # Slurm: foreign when Slurm does not confirm it (the daemon's event says why).
+    ALLOCATION = "allocation"
 
 
 class ActionKind(enum.StrEnum):

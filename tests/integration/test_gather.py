@@ -10,7 +10,7 @@ from support.slurm_recordings import ReplayRunner
 from slurmft.controller.decide import Policy, TrustPolicy, decide, lemon_nodes
 from slurmft.controller.observe import gather, observe, read_slurm
 from slurmft.controller.reconcile import reconcile
-from slurmft.controller.views import ExcludeNode, JobPhase, NotifyHuman
+from slurmft.controller.views import ExcludeNode, JobPhase, NotifyHuman, RequeueJob
 from slurmft.db import Database
 from slurmft.db.models import (
     Action,
@@ -50,18 +50,20 @@ def _seed(database: Database) -> None:
                 run_id="r14", number=1, slurm_job_id="14", submitted_at=NOW - timedelta(minutes=10)
             )
         )
-        # What the ingest endpoint wrote for an agent's report of an Xid 79 on n4.
+        # What the ingest endpoint wrote for an agent's report of an Xid 79 on n2, judged the
+        # run's own (its job holds n2).
         s.add(
             Event(
                 run_id="r14",
                 kind=EventKind.GPU_FAULT,
-                node="n4",
+                node="n2",
                 xid=79,
                 gpu_index=3,
                 fault_class=FaultClass.HARDWARE,
                 source="agent",
                 message="Xid 79 GPU has fallen off the bus (GPU 3)",
-                details={"action": FaultAction.DRAIN.value},
+                details={"action": FaultAction.DRAIN.value, "fault_kind": "xid"},
+                foreign=False,
             )
         )
         # Restart-class Xids on n5 in two different earlier runs: a lemon.
@@ -85,6 +87,7 @@ def _seed(database: Database) -> None:
                     node="n5",
                     xid=13,
                     source="agent",
+                    foreign=False,  # judged the run's own
                     occurred_at=NOW - timedelta(days=1),
                 )
             )
@@ -103,12 +106,15 @@ def test_gather_builds_the_view_and_the_drain_cap_holds(database: Database) -> N
     run = next(r for r in view.runs if r.run_id == "r14")
     assert run.job is not None and run.job.phase is JobPhase.ACTIVE
     (fault,) = run.gpu_faults
-    assert (fault.node, fault.action, fault.xid, fault.gpu) == ("n4", FaultAction.DRAIN, 79, 3)
+    assert (fault.node, fault.action, fault.xid, fault.gpu) == ("n2", FaultAction.DRAIN, 79, 3)
     assert view.drained_nodes == 1  # n3 is draining with a slurmft reason in the recording
     actions = [a for a in decide(view, Policy()) if a.run_id == "r14"]
     # A second slurmft drain would pass 10% of a 6-node partition: refused, a human is told.
+    # (n2 was one of the job's two nodes: the job is requeued without it.)
     assert [(type(a), getattr(a, "node", None)) for a in actions] == [
-        (ExcludeNode, "n4"),
+        (ExcludeNode, "n2"),
+        (NotifyHuman, None),
+        (RequeueJob, None),
         (NotifyHuman, None),
     ]
     assert "refused by the rate limits" in actions[1].reason
