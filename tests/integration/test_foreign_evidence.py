@@ -24,7 +24,7 @@ from slurmft.controller.http import IngestServer
 from slurmft.controller.ingest import new_run_token
 from slurmft.controller.observe import observe
 from slurmft.db import Database
-from slurmft.db.models import Action, ActionKind, Event, EventKind
+from slurmft.db.models import Action, ActionKind, AllocationNode, Event, EventKind, NodeRole
 from slurmft.db.records import denied_nodes
 from slurmft.slurm.api import JobInfo
 from slurmft.slurm.cli_backend import CliSlurmClient
@@ -220,3 +220,33 @@ def test_an_allocation_report_slurm_does_not_confirm_is_refused_and_recorded(  #
         assert reports[1].message == f"allocation report refused: {refused}"
         fault = s.scalars(select(Event).where(Event.kind == EventKind.GPU_FAULT)).one()
         assert fault.foreign is None  # held: the run's allocation is not known
+
+
+def test_a_node_the_batch_step_no_longer_reports_leaves_the_allocation(
+    database: Database, ingest_server: IngestServer, tokens: dict[str, str]
+) -> None:
+    """After a relaunch without n2 the allocation keeps n2's row with when and why it left;
+    evidence about n2 that comes later is foreign (the node may be someone else's by now)."""
+    slurm = RecordedSlurm()
+    _post(ingest_server, tokens[BOB], BOB, "n1", allocation=BOBS_ALLOCATION)
+    _pass(database, slurm)
+    relaunched = {**BOBS_ALLOCATION, "nodes": [BOBS_ALLOCATION["nodes"][0], {"node": "n3"}]}
+    _post(ingest_server, tokens[BOB], BOB, "n1", allocation=relaunched)
+    _pass(database, slurm)
+    _post(ingest_server, tokens[BOB], BOB, "n2", events=[_fault(79, "drain")])
+    _pass(database, slurm)
+    assert (slurm.effects, _acted_on(database)) == ([], [])
+    with database.session() as s:
+        rows = s.scalars(select(AllocationNode).order_by(AllocationNode.node)).all()
+        left = {r.node: (r.role, r.left_at is not None) for r in rows}
+        reports = s.scalars(
+            select(Event.id).where(Event.kind == EventKind.ALLOCATION).order_by(Event.id)
+        ).all()
+        (gone,) = [r for r in rows if r.node == "n2"]
+        assert gone.left_reason == f"not in the batch step's report {reports[1]}"
+    assert left == {
+        "n1": (NodeRole.ACTIVE, False),
+        "n2": (NodeRole.ACTIVE, True),
+        "n3": (NodeRole.ACTIVE, False),  # a spare that took n2's place trains now
+    }
+    assert _faults(database) == {"n2:79": True}
