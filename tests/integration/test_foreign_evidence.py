@@ -13,7 +13,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 import pytest
-from sqlalchemy import select
+from sqlalchemy import select, text
 from support.daemon_side import post_batch
 from support.slurm_recordings import RecordedCluster
 
@@ -149,6 +149,10 @@ def test_bobs_drain_class_fault_on_alices_node_is_stored_foreign_and_never_acted
     status, reply = _post(ingest_server, tokens[ALICE], ALICE, "n4")
     assert (status, reply["commands"]) == (200, [])
     assert _faults(database) == {"n4:79": True}
+    # Nor is it a failure of n4 in the failure history.
+    with database.session() as s:
+        for view in ("failures_by_node", "node_lemons"):
+            assert s.execute(text(f"SELECT node FROM {view}")).all() == []
 
 
 @pytest.mark.parametrize("xid", [13, 63])  # restart-class, record-class
