@@ -24,7 +24,15 @@ from slurmft.controller.http import IngestServer
 from slurmft.controller.ingest import new_run_token
 from slurmft.controller.observe import observe
 from slurmft.db import Database
-from slurmft.db.models import Action, ActionKind, AllocationNode, Event, EventKind, NodeRole
+from slurmft.db.models import (
+    Action,
+    ActionKind,
+    AllocationNode,
+    Attempt,
+    Event,
+    EventKind,
+    NodeRole,
+)
 from slurmft.db.records import denied_nodes
 from slurmft.slurm.api import JobInfo
 from slurmft.slurm.cli_backend import CliSlurmClient
@@ -254,3 +262,19 @@ def test_a_node_the_batch_step_no_longer_reports_leaves_the_allocation(
         "n3": (NodeRole.ACTIVE, False),  # a spare that took n2's place trains now
     }
     assert _faults(database) == {"n2:79": True}
+
+
+def test_a_checked_report_adopts_the_job_the_client_never_attached(
+    database: Database, ingest_server: IngestServer, seed_run: Callable[..., None]
+) -> None:
+    """`slurmft submit` died between sbatch and attach_job: the run has no attempt. Its batch
+    step's report, once Slurm confirms the job is the run's, opens the attempt with that job."""
+    token, digest = new_run_token()
+    seed_run(database, BOB, owner_uid=0, nodes=2, token_hash=digest, running=False)
+    slurm = RecordedSlurm()
+    _post(ingest_server, token, BOB, "n1", allocation=BOBS_ALLOCATION)
+    _pass(database, slurm)
+    with database.session() as s:
+        (attempt,) = s.scalars(select(Attempt)).all()
+        assert (attempt.number, attempt.slurm_job_id) == (1, "14")
+        assert sorted(n.node for n in attempt.nodes) == ["n1", "n2", "n3"]
