@@ -27,7 +27,7 @@ from typing import Annotated, Any, TypeVar
 
 import msgspec
 
-from slurmft.core.kinds import EventKind, FaultClass
+from slurmft.core.kinds import EventKind, FaultClass, NodeRole
 from slurmft.errors import SlurmftError
 
 PROTOCOL_VERSION = 1
@@ -37,6 +37,8 @@ CONTENT_TYPE = "application/json"
 # Bounds that keep one batch cheap to parse and store; an agent splits larger backlogs.
 MAX_BATCH_ITEMS = 20_000
 MAX_BODY_BYTES = 8 * 1024 * 1024
+# The batch step reports its allocation through a reporter of its own; its agent id starts so.
+BATCH_STEP_AGENT = "batch-step:"
 
 
 class ProtocolError(SlurmftError, ValueError):
@@ -106,6 +108,26 @@ class AgentEvent(_Record, frozen=True):
     details: dict[str, Any] = msgspec.field(default_factory=dict)
 
 
+# A Slurm job id and node name as the store keeps them (attempts.slurm_job_id, *.node).
+JobId = Annotated[str, msgspec.Meta(min_length=1, max_length=32)]
+NodeName = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
+
+
+class AllocationMember(_Record, frozen=True):
+    node: NodeName
+    role: NodeRole = NodeRole.ACTIVE
+
+
+class AllocationReport(_Record, frozen=True):
+    """The batch step's word on its allocation: its Slurm job and the nodes it runs the agent
+    step on, with their roles (sent at start and after each relaunch that changes them). Only
+    a claim: the daemon checks the job against Slurm (owner, comment, attempt) and stores the
+    nodes Slurm says the job holds (slurmft.controller.allocation)."""
+
+    job_id: JobId
+    nodes: tuple[AllocationMember, ...]
+
+
 class AgentBatch(_Payload, frozen=True):
     run_id: str
     agent_id: str  # unique per agent process: seq restarts at 1 with a new agent
@@ -115,6 +137,8 @@ class AgentBatch(_Payload, frozen=True):
     heartbeats: tuple[RankHeartbeat, ...] = ()
     step_times: tuple[RankStepTime, ...] = ()
     events: tuple[AgentEvent, ...] = ()
+    # Only the batch step's batches carry it; they get no commands (those are the agents').
+    allocation: AllocationReport | None = None
 
     @classmethod
     def from_json(cls, payload: bytes | str) -> AgentBatch:
@@ -122,6 +146,7 @@ class AgentBatch(_Payload, frozen=True):
             raise ProtocolError(f"batch is {len(payload)} bytes, over {MAX_BODY_BYTES}")
         batch = _decode(cls, payload, "batch")
         items = len(batch.heartbeats) + len(batch.step_times) + len(batch.events)
+        items += len(batch.allocation.nodes) if batch.allocation else 0
         if items > MAX_BATCH_ITEMS:
             raise ProtocolError(f"batch holds {items} items, over {MAX_BATCH_ITEMS}")
         if batch.seq < 1:

@@ -10,6 +10,12 @@ On USR1 (`--signal=B:USR1@T`, which reaches only this batch shell) it forwards U
 step (srun passes it to every agent, each agent asks its ranks to save), waits for the newer
 checkpoint, and requeues its own job (an owner may requeue their job; no privilege needed).
 A time-limit requeue does not use the budget.
+
+At start, and after each relaunch on other nodes, it reports its allocation to the daemon under
+the run's token: its SLURM_JOB_ID and the nodes of the agent step with their roles (the first N
+train, the rest are spares), through a reporter of its own (`report_allocation`). The daemon
+checks the report against Slurm before it stores anything (slurmft.controller.allocation), and
+acts on the run's evidence only for those nodes.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ import socket
 import subprocess
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -41,6 +47,8 @@ from slurmft.agent.sightings import charge_step, read_step
 from slurmft.agent.store import StoreSupervisor
 from slurmft.core.budget import RestartBudget, Seen, Sighting
 from slurmft.core.exits import BatchExit
+from slurmft.core.kinds import NodeRole
+from slurmft.protocol import AllocationMember, AllocationReport
 from slurmft.slurm.api import SignalTarget, SlurmClient, SlurmError
 
 log = logging.getLogger("slurmft.batch")
@@ -50,6 +58,18 @@ OUTCOME_ROOT = ".slurmft/steps"  # under the checkpoint directory: one folder pe
 # of its polls (5 s each) of the failure over the cap; the batch step leaves it that long, so a
 # run the daemon watches ends with the daemon's reason, and one it does not, about as fast.
 GIVE_UP_GRACE_S = 20.0
+
+
+def allocation_report(job_id: str, nodes: Sequence[str], active: int) -> AllocationReport:
+    """The agent step's nodes as the daemon is told them: the first ``active`` train (an
+    agent's index is its place in the step, SLURM_NODEID), the others wait as spares."""
+    return AllocationReport(
+        job_id=job_id,
+        nodes=tuple(
+            AllocationMember(node, NodeRole.ACTIVE if index < active else NodeRole.SPARE)
+            for index, node in enumerate(nodes)
+        ),
+    )
 
 
 def free_port(host: str) -> int:
@@ -69,6 +89,7 @@ class BatchStep:
         poll_s: float = 5.0,
         stop_grace_s: float = 20.0,
         give_up_grace_s: float = GIVE_UP_GRACE_S,
+        report_allocation: Callable[[AllocationReport], None] | None = None,
     ):
         self.spec, self.client, self.job_id = spec, client, job_id
         self.store_host = store_host
@@ -87,6 +108,8 @@ class BatchStep:
         self.step_spent: RestartBudget | None = None  # the first spent budget of the step
         self.step_spent_at = 0.0
         self.checkpoint_seen = ""
+        self.report_allocation = report_allocation  # to the daemon (its reporter); None: none
+        self.reported_nodes: tuple[str, ...] | None = None
 
     def _new_outcome_dir(self) -> str:
         path = Path(self.spec.ckpt_dir) / OUTCOME_ROOT / f"{self.job_id}.{self.state.step_launches}"
@@ -128,6 +151,7 @@ class BatchStep:
         while True:
             self._keep(replace(self.state, step_launches=self.state.step_launches + 1))
             log.info("agent step %d on %s", self.state.step_launches, ",".join(nodes))
+            self._report(nodes)
             returncode = self._run_step(nodes)
             if self.save_requested.is_set():
                 return self._save_and_requeue_done()
@@ -154,6 +178,14 @@ class BatchStep:
             if decision.move is Move.REQUEUE:
                 return self._requeue(decision.reason)
             nodes = list(decision.nodes)
+
+    def _report(self, nodes: Sequence[str]) -> None:
+        """The allocation to the daemon, when the step's nodes are new (never blocks: the
+        reporter sends it, and resends it until the daemon has it)."""
+        if self.report_allocation is None or tuple(nodes) == self.reported_nodes:
+            return
+        self.reported_nodes = tuple(nodes)
+        self.report_allocation(allocation_report(self.job_id, nodes, self.spec.nodes))
 
     def _run_step(self, nodes: Sequence[str]) -> int:
         self.outcome_dir = self._new_outcome_dir()

@@ -10,7 +10,14 @@ from support.fake_controller import FakeController
 from support.waiting import wait_for
 
 from slurmft.agent.reporter import HttpTransport, ReportBuffer, Reporter, backoff_s
-from slurmft.protocol import AgentEvent, Command, RankHeartbeat, RankStepTime
+from slurmft.protocol import (
+    AgentEvent,
+    AllocationMember,
+    AllocationReport,
+    Command,
+    RankHeartbeat,
+    RankStepTime,
+)
 
 
 @pytest.fixture
@@ -141,3 +148,22 @@ def test_server_time_for_the_clock_check(controller: FakeController) -> None:
 
     skew = measure_skew(HttpTransport(controller.url, "tok").server_time)
     assert 4.5 < skew.offset_s < 5.5 and skew.too_large(1.0)
+
+
+def test_the_batch_steps_allocation_goes_at_once_and_alone(controller: FakeController) -> None:
+    """The batch step's reporter sends its allocation as soon as it has one (no keep-alives in
+    between: its batches are not an agent's), and the newest report wins over an unsent one."""
+    first = AllocationReport("7", (AllocationMember("n1"), AllocationMember("n2")))
+    newer = AllocationReport("7", (AllocationMember("n1"),))
+    reporter = Reporter(HttpTransport(controller.url, "tok"), run_id="r1", node="n1",
+                        on_command=lambda _: None, interval_s=0.05, keepalive_s=float("inf"),
+                        agent_id="batch-step:7-abc")
+    reporter.report_allocation(first)
+    reporter.report_allocation(newer)
+    reporter.start()
+    try:
+        wait_for(lambda: controller.accepted, 10, "the allocation", interval_s=POLL_S)
+    finally:
+        reporter.stop(flush_timeout_s=1)
+    (batch,) = controller.accepted
+    assert (batch.agent_id, batch.allocation, batch.events) == ("batch-step:7-abc", newer, ())
