@@ -21,11 +21,11 @@ SQUEUE_FORMAT = "%i|%T|%r|%N|%B|%k|%j"
 SINFO_FIELDS = ("name", "state", "reason_user", "reason_time", "reason")
 SINFO_FORMAT = "%N|%T|%u|%H|%E"
 
-_JOB_ID = re.compile(r"^\d+([_+]\d+)?$")
+_JOB_ID = re.compile(r"\d+([_+]\d+)?", re.ASCII)  # fullmatch: no final newline
 
 
 def check_job_id(job_id: str) -> str:
-    if not _JOB_ID.match(job_id):
+    if not _JOB_ID.fullmatch(job_id):
         raise SlurmBadRequest(f"not a Slurm job id: {job_id!r}")
     return job_id
 
