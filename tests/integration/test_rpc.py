@@ -248,3 +248,31 @@ def test_a_submission_that_fails_unexpectedly_leaves_no_pending_run(
         run = s.get(Run, new)
         assert run is not None and run.state is RunState.FAILED
         assert run.end_reason is not None and "UnicodeEncodeError" in run.end_reason
+
+
+def test_submit_into_a_linked_state_dir_is_refused_before_any_run(
+    socket_path: Path,
+    database: Database,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Issue 14 item 11: a `.slurmft` someone planted as a link is refused with what to do,
+    before the daemon creates the run and before the token is written anywhere."""
+    from slurmft.cli import main, submit_cmd
+
+    def never(*_: object) -> None:
+        raise AssertionError("nothing may reach Slurm")
+
+    monkeypatch.setattr(submit_cmd, "_submit_job", never)
+    monkeypatch.setenv("SLURMFT_PATHS_RUNTIME_DIR", str(socket_path.parent))
+    (tmp_path / "theirs").mkdir()
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / ".slurmft").symlink_to(tmp_path / "theirs")
+    before = _run_ids(database)
+    with pytest.raises(SystemExit) as info:
+        main(["submit", "--nodes", "1", "--ckpt-dir", str(tmp_path / "ckpt"), "--", "train.py"])
+    assert info.value.code == 2
+    assert "is not a directory" in capsys.readouterr().err
+    assert _run_ids(database) == before
+    assert list((tmp_path / "theirs").iterdir()) == []
