@@ -10,10 +10,18 @@ On USR1 (`--signal=B:USR1@T`, which reaches only this batch shell) it forwards U
 step (srun passes it to every agent, each agent asks its ranks to save), waits for the newer
 checkpoint, and requeues its own job (an owner may requeue their job; no privilege needed).
 A time-limit requeue does not use the budget.
+
+A checkpoint filesystem that is full or read-only does not stop it: the batch step is what
+keeps the job's agents supervised, so a state it cannot save is kept in memory, logged (with
+the error, once until it is saved again), and saved again at every poll and every change;
+an outcome folder it cannot make leaves the step without outcomes (nothing cordoned, nothing
+finished by them), not without supervision. The batch step has no channel to the daemon of its
+own (its agents report): the job's log says it.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import signal
 import socket
@@ -52,6 +60,12 @@ OUTCOME_ROOT = ".slurmft/steps"  # under the checkpoint directory: one folder pe
 GIVE_UP_GRACE_S = 20.0
 
 
+def _why(error: OSError) -> str:
+    """`[Errno 28] No space left on device: 'path'` as `No space left on device (ENOSPC)`."""
+    code = errno.errorcode.get(error.errno or 0, "")
+    return f"{error.strerror or error}" + (f" ({code})" if code else "")
+
+
 def free_port(host: str) -> int:
     with socket.socket() as probe:
         probe.bind((host, 0))
@@ -87,10 +101,16 @@ class BatchStep:
         self.step_spent: RestartBudget | None = None  # the first spent budget of the step
         self.step_spent_at = 0.0
         self.checkpoint_seen = ""
+        self.unsaved: str | None = None  # why the last state could not be saved, until it is
 
     def _new_outcome_dir(self) -> str:
         path = Path(self.spec.ckpt_dir) / OUTCOME_ROOT / f"{self.job_id}.{self.state.step_launches}"
-        path.mkdir(parents=True, exist_ok=True)
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            # The agents cannot write there either (they log it and go on): the step runs
+            # without outcomes, and its end is judged by srun's exit status alone.
+            log.error("cannot make the agent step's outcome folder %s (%s)", path, _why(error))
         return str(path)
 
     def _read_outcomes(self) -> StepOutcomes:
@@ -120,6 +140,14 @@ class BatchStep:
             return self._loop()
         finally:
             supervisor.stop()
+            if self.unsaved is not None and not self._save_state():
+                log.error(
+                    "the batch state of job %s was never saved (%s): a requeued job starts "
+                    "from the last state saved in %s",
+                    self.job_id,
+                    self.unsaved,
+                    self.spec.ckpt_dir,
+                )
 
     def _loop(self) -> BatchExit:
         nodes = self.usable()
@@ -169,6 +197,8 @@ class BatchStep:
                 return self._stop(step)
             if time.monotonic() >= next_check:
                 next_check = time.monotonic() + self.poll_s
+                if self.unsaved is not None:
+                    self._save_state()  # the filesystem may have room again
                 if self._step_cannot_recover(nodes):
                     return self._stop(step)
                 if self._budget_spent():
@@ -213,9 +243,33 @@ class BatchStep:
         return budget
 
     def _keep(self, state: BatchState) -> None:
-        """The new state, saved at once: a batch host killed now resumes from it."""
+        """The new state, saved at once: a batch host killed now resumes from it. When it
+        cannot be saved it is kept, and saved at the next poll or change (`_save_state`)."""
         self.state = state
-        state.save(self.spec.ckpt_dir)
+        self._save_state()
+
+    def _save_state(self) -> bool:
+        """Save the current state; a full or read-only checkpoint filesystem is logged (once
+        until a save succeeds again) and leaves ``unsaved`` set, never stops the batch step."""
+        try:
+            self.state.save(self.spec.ckpt_dir)
+        except OSError as error:
+            why = _why(error)
+            if self.unsaved is None:
+                log.error(
+                    "cannot save the batch state in %s (%s): supervising on, saving again "
+                    "at every poll",
+                    self.spec.ckpt_dir,
+                    why,
+                )
+            self.unsaved = why
+            return False
+        if self.unsaved is not None:
+            log.warning(
+                "batch state saved again in %s (it was not: %s)", self.spec.ckpt_dir, self.unsaved
+            )
+            self.unsaved = None
+        return True
 
     def _note_checkpoint(self) -> None:
         """A checkpoint published under the checkpoint directory is progress even where the

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import sys
@@ -127,7 +128,12 @@ def run(  # noqa: PLR0917 (typer: one parameter per option)
     _install_stop_signals(agent)
     code = agent.run()
     if outcome_dir:
-        write_step_outcome(outcome_dir, node, agent.outcome(code), agent.state.stop_reason)
+        try:
+            write_step_outcome(outcome_dir, node, agent.outcome(code), agent.state.stop_reason)
+        except OSError as error:  # a full or read-only checkpoint filesystem: exit as decided
+            logging.getLogger("slurmft.agent").error(
+                "could not write this agent's outcome in %s: %s", outcome_dir, error
+            )
     raise typer.Exit(int(code))
 
 
