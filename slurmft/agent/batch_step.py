@@ -46,7 +46,7 @@ from slurmft.agent.batch import (
     usable_nodes,
 )
 from slurmft.agent.sightings import charge_step, read_step
-from slurmft.agent.store import StoreSupervisor
+from slurmft.agent.store import StoreSupervisor, check_store_host
 from slurmft.core.budget import RestartBudget, Seen, Sighting
 from slurmft.core.exits import BatchExit
 from slurmft.slurm.api import SignalTarget, SlurmClient, SlurmError
@@ -64,6 +64,13 @@ def _why(error: OSError) -> str:
     """`[Errno 28] No space left on device: 'path'` as `No space left on device (ENOSPC)`."""
     code = errno.errorcode.get(error.errno or 0, "")
     return f"{error.strerror or error}" + (f" ({code})" if code else "")
+
+
+def store_address(store_host: str = "") -> str:
+    """Where the batch step hosts the rendezvous store: ``store_host``, else this node's host
+    name's address (the job network's, where the agents reach it); never every interface's
+    (ValueError). The store is unauthenticated: docs/security-rendezvous.md."""
+    return check_store_host(store_host or socket.gethostbyname(socket.gethostname()))
 
 
 def free_port(host: str) -> int:

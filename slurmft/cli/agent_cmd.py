@@ -192,10 +192,8 @@ def batch(  # noqa: PLR0917 (typer: one parameter per option)
     token_file: Annotated[str, typer.Option(help="The run's token for the agents.")] = "",
 ) -> None:
     """The batch step: host the store, run and relaunch the agent step, requeue, keep the budget."""
-    import socket
-
     from slurmft.agent.batch import BatchSpec
-    from slurmft.agent.batch_step import BatchStep
+    from slurmft.agent.batch_step import BatchStep, store_address
     from slurmft.slurm.cli_backend import CliSlurmClient
 
     config = state(ctx).config
@@ -218,7 +216,10 @@ def batch(  # noqa: PLR0917 (typer: one parameter per option)
         raise ConfigError("`slurmft agent batch` runs inside a Slurm batch job (no SLURM_JOB_ID)")
     slurm = config.settings.slurm
     client = CliSlurmClient(slurm_conf=slurm.conf or None, timeout_s=slurm.command_timeout_s)
-    host = store_host or socket.gethostbyname(socket.gethostname())
+    try:
+        host = store_address(store_host)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
     step = BatchStep(spec, client, job_id, host)
     signal.signal(signal.SIGUSR1, lambda *_: step.request_save_and_requeue())
     raise typer.Exit(int(step.run()))
