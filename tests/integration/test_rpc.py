@@ -201,7 +201,9 @@ def test_the_daemon_refuses_a_hostile_spec_and_creates_no_run(
     assert _run_ids(database) == before
 
 
-def test_submit_with_a_non_utf8_argument_is_one_clear_line_and_no_run(
+@pytest.mark.parametrize("named", [["--name", "llama"], []])
+def test_submit_with_a_non_utf8_argument_is_one_clear_line_and_no_run(  # noqa: PLR0917 (fixtures)
+    named: list[str],
     socket_path: Path,
     database: Database,
     tmp_path: Path,
@@ -218,7 +220,7 @@ def test_submit_with_a_non_utf8_argument_is_one_clear_line_and_no_run(
     monkeypatch.setattr(submit_cmd, "_submit_job", never)
     monkeypatch.setenv("SLURMFT_PATHS_RUNTIME_DIR", str(socket_path.parent))
     before = _run_ids(database)
-    argv = ["submit", "--nodes", "1", "--ckpt-dir", str(tmp_path), "--", "tr\udcffain.py"]
+    argv = ["submit", "--nodes", "1", "--ckpt-dir", str(tmp_path), *named, "--", "tr\udcffain.py"]
     with pytest.raises(SystemExit) as info:
         main(argv)
     err = capsys.readouterr().err
