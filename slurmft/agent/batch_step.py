@@ -16,10 +16,18 @@ the run's token: its SLURM_JOB_ID and the nodes of the agent step with their rol
 train, the rest are spares), through a reporter of its own (`report_allocation`). The daemon
 checks the report against Slurm before it stores anything (slurmft.controller.allocation), and
 acts on the run's evidence only for those nodes.
+
+A checkpoint filesystem that is full or read-only does not stop it: the batch step is what
+keeps the job's agents supervised, so a state it cannot save is kept in memory, logged (with
+the error, once until it is saved again), and saved again at every poll and every change;
+an outcome folder it cannot make leaves the step without outcomes (nothing cordoned, nothing
+finished by them), not without supervision. The batch step has no channel to the daemon of its
+own (its agents report): the job's log says it.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import signal
 import socket
@@ -44,7 +52,7 @@ from slurmft.agent.batch import (
     usable_nodes,
 )
 from slurmft.agent.sightings import charge_step, read_step
-from slurmft.agent.store import StoreSupervisor
+from slurmft.agent.store import StoreSupervisor, check_store_host
 from slurmft.core.budget import RestartBudget, Seen, Sighting
 from slurmft.core.exits import BatchExit
 from slurmft.core.kinds import NodeRole
@@ -70,6 +78,19 @@ def allocation_report(job_id: str, nodes: Sequence[str], active: int) -> Allocat
             for index, node in enumerate(nodes)
         ),
     )
+
+
+def _why(error: OSError) -> str:
+    """`[Errno 28] No space left on device: 'path'` as `No space left on device (ENOSPC)`."""
+    code = errno.errorcode.get(error.errno or 0, "")
+    return f"{error.strerror or error}" + (f" ({code})" if code else "")
+
+
+def store_address(store_host: str = "") -> str:
+    """Where the batch step hosts the rendezvous store: ``store_host``, else this node's host
+    name's address (the job network's, where the agents reach it); never every interface's
+    (ValueError). The store is unauthenticated: docs/security-rendezvous.md."""
+    return check_store_host(store_host or socket.gethostbyname(socket.gethostname()))
 
 
 def free_port(host: str) -> int:
@@ -110,10 +131,16 @@ class BatchStep:
         self.checkpoint_seen = ""
         self.report_allocation = report_allocation  # to the daemon (its reporter); None: none
         self.reported_nodes: tuple[str, ...] | None = None
+        self.unsaved: str | None = None  # why the last state could not be saved, until it is
 
     def _new_outcome_dir(self) -> str:
         path = Path(self.spec.ckpt_dir) / OUTCOME_ROOT / f"{self.job_id}.{self.state.step_launches}"
-        path.mkdir(parents=True, exist_ok=True)
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            # The agents cannot write there either (they log it and go on): the step runs
+            # without outcomes, and its end is judged by srun's exit status alone.
+            log.error("cannot make the agent step's outcome folder %s (%s)", path, _why(error))
         return str(path)
 
     def _read_outcomes(self) -> StepOutcomes:
@@ -143,6 +170,14 @@ class BatchStep:
             return self._loop()
         finally:
             supervisor.stop()
+            if self.unsaved is not None and not self._save_state():
+                log.error(
+                    "the batch state of job %s was never saved (%s): a requeued job starts "
+                    "from the last state saved in %s",
+                    self.job_id,
+                    self.unsaved,
+                    self.spec.ckpt_dir,
+                )
 
     def _loop(self) -> BatchExit:
         nodes = self.usable()
@@ -201,6 +236,8 @@ class BatchStep:
                 return self._stop(step)
             if time.monotonic() >= next_check:
                 next_check = time.monotonic() + self.poll_s
+                if self.unsaved is not None:
+                    self._save_state()  # the filesystem may have room again
                 if self._step_cannot_recover(nodes):
                     return self._stop(step)
                 if self._budget_spent():
@@ -245,9 +282,33 @@ class BatchStep:
         return budget
 
     def _keep(self, state: BatchState) -> None:
-        """The new state, saved at once: a batch host killed now resumes from it."""
+        """The new state, saved at once: a batch host killed now resumes from it. When it
+        cannot be saved it is kept, and saved at the next poll or change (`_save_state`)."""
         self.state = state
-        state.save(self.spec.ckpt_dir)
+        self._save_state()
+
+    def _save_state(self) -> bool:
+        """Save the current state; a full or read-only checkpoint filesystem is logged (once
+        until a save succeeds again) and leaves ``unsaved`` set, never stops the batch step."""
+        try:
+            self.state.save(self.spec.ckpt_dir)
+        except OSError as error:
+            why = _why(error)
+            if self.unsaved is None:
+                log.error(
+                    "cannot save the batch state in %s (%s): supervising on, saving again "
+                    "at every poll",
+                    self.spec.ckpt_dir,
+                    why,
+                )
+            self.unsaved = why
+            return False
+        if self.unsaved is not None:
+            log.warning(
+                "batch state saved again in %s (it was not: %s)", self.spec.ckpt_dir, self.unsaved
+            )
+            self.unsaved = None
+        return True
 
     def _note_checkpoint(self) -> None:
         """A checkpoint published under the checkpoint directory is progress even where the

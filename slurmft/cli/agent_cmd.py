@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import sys
@@ -129,7 +130,12 @@ def run(  # noqa: PLR0917 (typer: one parameter per option)
     _install_stop_signals(agent)
     code = agent.run()
     if outcome_dir:
-        write_step_outcome(outcome_dir, node, agent.outcome(code), agent.state.stop_reason)
+        try:
+            write_step_outcome(outcome_dir, node, agent.outcome(code), agent.state.stop_reason)
+        except OSError as error:  # a full or read-only checkpoint filesystem: exit as decided
+            logging.getLogger("slurmft.agent").error(
+                "could not write this agent's outcome in %s: %s", outcome_dir, error
+            )
     raise typer.Exit(int(code))
 
 
@@ -188,10 +194,8 @@ def batch(  # noqa: PLR0917 (typer: one parameter per option)
     token_file: Annotated[str, typer.Option(help="The run's token for the agents.")] = "",
 ) -> None:
     """The batch step: host the store, run and relaunch the agent step, requeue, keep the budget."""
-    import socket
-
     from slurmft.agent.batch import BatchSpec
-    from slurmft.agent.batch_step import BatchStep
+    from slurmft.agent.batch_step import BatchStep, store_address
     from slurmft.slurm.cli_backend import CliSlurmClient
 
     config = state(ctx).config
@@ -214,7 +218,10 @@ def batch(  # noqa: PLR0917 (typer: one parameter per option)
         raise ConfigError("`slurmft agent batch` runs inside a Slurm batch job (no SLURM_JOB_ID)")
     slurm = config.settings.slurm
     client = CliSlurmClient(slurm_conf=slurm.conf or None, timeout_s=slurm.command_timeout_s)
-    host = store_host or socket.gethostbyname(socket.gethostname())
+    try:
+        host = store_address(store_host)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
     url = config.settings.agent.controller_url
     reporter = _allocation_reporter(url, token_file, run_id, job_id)
     step = BatchStep(
