@@ -29,7 +29,7 @@ from typing import Annotated, Any, TypeVar
 
 import msgspec
 
-from slurmft.core.kinds import EventKind, FaultClass
+from slurmft.core.kinds import EventKind, FaultClass, NodeRole
 from slurmft.errors import SlurmftError
 
 PROTOCOL_VERSION = 1
@@ -59,6 +59,8 @@ MAX_MESSAGE = 65_536
 MAX_DETAILS_DEPTH = 16
 MAX_DETAILS_SIZE = 1024 * 1024  # characters of strings, plus 8 per value
 ITEM_LISTS = ("heartbeats", "step_times", "events")
+# The batch step reports its allocation through a reporter of its own; its agent id starts so.
+BATCH_STEP_AGENT = "batch-step:"
 
 
 class ProtocolError(SlurmftError, ValueError):
@@ -128,6 +130,26 @@ class AgentEvent(_Record, frozen=True):
     details: dict[str, Any] = msgspec.field(default_factory=dict)
 
 
+# A Slurm job id and node name as the store keeps them (attempts.slurm_job_id, *.node).
+JobId = Annotated[str, msgspec.Meta(min_length=1, max_length=32)]
+NodeName = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
+
+
+class AllocationMember(_Record, frozen=True):
+    node: NodeName
+    role: NodeRole = NodeRole.ACTIVE
+
+
+class AllocationReport(_Record, frozen=True):
+    """The batch step's word on its allocation: its Slurm job and the nodes it runs the agent
+    step on, with their roles (sent at start and after each relaunch that changes them). Only
+    a claim: the daemon checks the job against Slurm (owner, comment, attempt) and stores the
+    nodes Slurm says the job holds (slurmft.controller.allocation)."""
+
+    job_id: JobId
+    nodes: tuple[AllocationMember, ...]
+
+
 class AgentBatch(_Payload, frozen=True):
     run_id: str
     agent_id: str  # unique per agent process: seq restarts at 1 with a new agent
@@ -137,6 +159,8 @@ class AgentBatch(_Payload, frozen=True):
     heartbeats: tuple[RankHeartbeat, ...] = ()
     step_times: tuple[RankStepTime, ...] = ()
     events: tuple[AgentEvent, ...] = ()
+    # Only the batch step's batches carry it; they get no commands (those are the agents').
+    allocation: AllocationReport | None = None
 
     @classmethod
     def from_json(cls, payload: bytes | str) -> AgentBatch:
@@ -293,6 +317,18 @@ def check_header(batch: AgentBatch, now: float | None = None) -> None:
     """Refuse (ProtocolError) a batch whose header is out of bounds. ``now`` (the daemon's
     clock) also bounds how far ahead ``sent_at`` may be."""
     items = len(batch.heartbeats) + len(batch.step_times) + len(batch.events)
+    if batch.allocation is not None:
+        items += len(batch.allocation.nodes)
+        problem = _text("job_id", batch.allocation.job_id, 32, empty=False) or next(
+            (
+                problem
+                for member in batch.allocation.nodes
+                if (problem := _text("node", member.node, MAX_NODE, empty=False)) is not None
+            ),
+            None,
+        )
+        if problem is not None:
+            raise ProtocolError(f"batch.allocation.{problem}")
     _check_header(batch, items, _latest(now))
 
 
@@ -503,6 +539,7 @@ class _LooseBatch(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     heartbeats: tuple[msgspec.Raw, ...] = ()
     step_times: tuple[msgspec.Raw, ...] = ()
     events: tuple[msgspec.Raw, ...] = ()
+    allocation: msgspec.Raw | None = None  # checked whole with the header (check_header)
 
 
 _LOOSE = msgspec.json.Decoder(_LooseBatch)

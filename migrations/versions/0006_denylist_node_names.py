@@ -1,7 +1,7 @@
 """Denylist entries whose node is not a Slurm node name are retired, not deleted.
 
 Revision ID: 0006
-Revises: 0004
+Revises: 0005
 Create Date: 2026-12-01 16:00:00
 
 Every exclude list slurmft gives sbatch and scontrol is built from the denylist, so one entry
@@ -20,7 +20,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision: str = "0006"
-down_revision: str | None = "0004"
+down_revision: str | None = "0005"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 

@@ -207,6 +207,9 @@ class NodeAgent:
                 gpu_index=fault.gpu_index,
                 xid=fault.xid,
                 action="drain",
+                fault_kind=fault.kind,
+                code=fault.code,
+                detail=fault.detail,
             )
         if not report.fit:
             self.event(
@@ -342,6 +345,9 @@ class NodeAgent:
                 gpu_index=fault.gpu_index,
                 xid=fault.xid,
                 action=fault.action,
+                fault_kind=fault.kind,
+                code=fault.code,
+                detail=fault.detail,
             )
 
     # -- rank reports and hangs -------------------------------------------------------------------

@@ -250,7 +250,7 @@ def newest_checkpoint(ckpt_dir: str) -> str:
     """The newest published checkpoint directory's name (slurmft.train: `step-<9 digits>`)."""
     try:
         names = [p.name for p in Path(ckpt_dir).iterdir() if p.name.startswith("step-")]
-    except FileNotFoundError:
+    except OSError:  # not there (yet), or not readable: no checkpoint seen
         return ""
     return max(names, default="")
 
@@ -258,7 +258,10 @@ def newest_checkpoint(ckpt_dir: str) -> str:
 def checkpoint_step(name: str) -> int | None:
     """The step of a checkpoint directory named `step-<digits>`; None for any other name."""
     digits = name.removeprefix("step-")
-    return int(digits) if name.startswith("step-") and digits.isdigit() else None
+    # isascii: `isdigit` is true of "²", which int() refuses.
+    return (
+        int(digits) if name.startswith("step-") and digits.isascii() and digits.isdigit() else None
+    )
 
 
 def checkpoint_label(name: str) -> str:

@@ -10,17 +10,31 @@ On USR1 (`--signal=B:USR1@T`, which reaches only this batch shell) it forwards U
 step (srun passes it to every agent, each agent asks its ranks to save), waits for the newer
 checkpoint, and requeues its own job (an owner may requeue their job; no privilege needed).
 A time-limit requeue does not use the budget.
+
+At start, and after each relaunch on other nodes, it reports its allocation to the daemon under
+the run's token: its SLURM_JOB_ID and the nodes of the agent step with their roles (the first N
+train, the rest are spares), through a reporter of its own (`report_allocation`). The daemon
+checks the report against Slurm before it stores anything (slurmft.controller.allocation), and
+acts on the run's evidence only for those nodes.
+
+A checkpoint filesystem that is full or read-only does not stop it: the batch step is what
+keeps the job's agents supervised, so a state it cannot save is kept in memory, logged (with
+the error, once until it is saved again), and saved again at every poll and every change;
+an outcome folder it cannot make leaves the step without outcomes (nothing cordoned, nothing
+finished by them), not without supervision. The batch step has no channel to the daemon of its
+own (its agents report): the job's log says it.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import signal
 import socket
 import subprocess
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -38,9 +52,11 @@ from slurmft.agent.batch import (
     usable_nodes,
 )
 from slurmft.agent.sightings import charge_step, read_step
-from slurmft.agent.store import StoreSupervisor
+from slurmft.agent.store import StoreSupervisor, check_store_host
 from slurmft.core.budget import RestartBudget, Seen, Sighting
 from slurmft.core.exits import BatchExit
+from slurmft.core.kinds import NodeRole
+from slurmft.protocol import AllocationMember, AllocationReport
 from slurmft.slurm.api import SignalTarget, SlurmClient, SlurmError
 
 log = logging.getLogger("slurmft.batch")
@@ -50,6 +66,31 @@ OUTCOME_ROOT = ".slurmft/steps"  # under the checkpoint directory: one folder pe
 # of its polls (5 s each) of the failure over the cap; the batch step leaves it that long, so a
 # run the daemon watches ends with the daemon's reason, and one it does not, about as fast.
 GIVE_UP_GRACE_S = 20.0
+
+
+def allocation_report(job_id: str, nodes: Sequence[str], active: int) -> AllocationReport:
+    """The agent step's nodes as the daemon is told them: the first ``active`` train (an
+    agent's index is its place in the step, SLURM_NODEID), the others wait as spares."""
+    return AllocationReport(
+        job_id=job_id,
+        nodes=tuple(
+            AllocationMember(node, NodeRole.ACTIVE if index < active else NodeRole.SPARE)
+            for index, node in enumerate(nodes)
+        ),
+    )
+
+
+def _why(error: OSError) -> str:
+    """`[Errno 28] No space left on device: 'path'` as `No space left on device (ENOSPC)`."""
+    code = errno.errorcode.get(error.errno or 0, "")
+    return f"{error.strerror or error}" + (f" ({code})" if code else "")
+
+
+def store_address(store_host: str = "") -> str:
+    """Where the batch step hosts the rendezvous store: ``store_host``, else this node's host
+    name's address (the job network's, where the agents reach it); never every interface's
+    (ValueError). The store is unauthenticated: docs/security-rendezvous.md."""
+    return check_store_host(store_host or socket.gethostbyname(socket.gethostname()))
 
 
 def free_port(host: str) -> int:
@@ -69,6 +110,7 @@ class BatchStep:
         poll_s: float = 5.0,
         stop_grace_s: float = 20.0,
         give_up_grace_s: float = GIVE_UP_GRACE_S,
+        report_allocation: Callable[[AllocationReport], None] | None = None,
     ):
         self.spec, self.client, self.job_id = spec, client, job_id
         self.store_host = store_host
@@ -87,10 +129,18 @@ class BatchStep:
         self.step_spent: RestartBudget | None = None  # the first spent budget of the step
         self.step_spent_at = 0.0
         self.checkpoint_seen = ""
+        self.report_allocation = report_allocation  # to the daemon (its reporter); None: none
+        self.reported_nodes: tuple[str, ...] | None = None
+        self.unsaved: str | None = None  # why the last state could not be saved, until it is
 
     def _new_outcome_dir(self) -> str:
         path = Path(self.spec.ckpt_dir) / OUTCOME_ROOT / f"{self.job_id}.{self.state.step_launches}"
-        path.mkdir(parents=True, exist_ok=True)
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            # The agents cannot write there either (they log it and go on): the step runs
+            # without outcomes, and its end is judged by srun's exit status alone.
+            log.error("cannot make the agent step's outcome folder %s (%s)", path, _why(error))
         return str(path)
 
     def _read_outcomes(self) -> StepOutcomes:
@@ -120,6 +170,14 @@ class BatchStep:
             return self._loop()
         finally:
             supervisor.stop()
+            if self.unsaved is not None and not self._save_state():
+                log.error(
+                    "the batch state of job %s was never saved (%s): a requeued job starts "
+                    "from the last state saved in %s",
+                    self.job_id,
+                    self.unsaved,
+                    self.spec.ckpt_dir,
+                )
 
     def _loop(self) -> BatchExit:
         nodes = self.usable()
@@ -128,6 +186,7 @@ class BatchStep:
         while True:
             self._keep(replace(self.state, step_launches=self.state.step_launches + 1))
             log.info("agent step %d on %s", self.state.step_launches, ",".join(nodes))
+            self._report(nodes)
             returncode = self._run_step(nodes)
             if self.save_requested.is_set():
                 return self._save_and_requeue_done()
@@ -155,6 +214,14 @@ class BatchStep:
                 return self._requeue(decision.reason)
             nodes = list(decision.nodes)
 
+    def _report(self, nodes: Sequence[str]) -> None:
+        """The allocation to the daemon, when the step's nodes are new (never blocks: the
+        reporter sends it, and resends it until the daemon has it)."""
+        if self.report_allocation is None or tuple(nodes) == self.reported_nodes:
+            return
+        self.reported_nodes = tuple(nodes)
+        self.report_allocation(allocation_report(self.job_id, nodes, self.spec.nodes))
+
     def _run_step(self, nodes: Sequence[str]) -> int:
         self.outcome_dir = self._new_outcome_dir()
         self.step_before = self.state.budget
@@ -169,6 +236,8 @@ class BatchStep:
                 return self._stop(step)
             if time.monotonic() >= next_check:
                 next_check = time.monotonic() + self.poll_s
+                if self.unsaved is not None:
+                    self._save_state()  # the filesystem may have room again
                 if self._step_cannot_recover(nodes):
                     return self._stop(step)
                 if self._budget_spent():
@@ -213,9 +282,33 @@ class BatchStep:
         return budget
 
     def _keep(self, state: BatchState) -> None:
-        """The new state, saved at once: a batch host killed now resumes from it."""
+        """The new state, saved at once: a batch host killed now resumes from it. When it
+        cannot be saved it is kept, and saved at the next poll or change (`_save_state`)."""
         self.state = state
-        state.save(self.spec.ckpt_dir)
+        self._save_state()
+
+    def _save_state(self) -> bool:
+        """Save the current state; a full or read-only checkpoint filesystem is logged (once
+        until a save succeeds again) and leaves ``unsaved`` set, never stops the batch step."""
+        try:
+            self.state.save(self.spec.ckpt_dir)
+        except OSError as error:
+            why = _why(error)
+            if self.unsaved is None:
+                log.error(
+                    "cannot save the batch state in %s (%s): supervising on, saving again "
+                    "at every poll",
+                    self.spec.ckpt_dir,
+                    why,
+                )
+            self.unsaved = why
+            return False
+        if self.unsaved is not None:
+            log.warning(
+                "batch state saved again in %s (it was not: %s)", self.spec.ckpt_dir, self.unsaved
+            )
+            self.unsaved = None
+        return True
 
     def _note_checkpoint(self) -> None:
         """A checkpoint published under the checkpoint directory is progress even where the

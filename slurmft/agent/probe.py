@@ -16,6 +16,9 @@ class GpuFault:
     message: str
     gpu_index: int | None = None
     xid: int | None = None
+    kind: str = ""  # a slurmft.gpu.api.FaultKind value: with the code, what the daemon reads
+    code: int | str | None = None
+    detail: str = ""  # the driver's line or value behind it
 
 
 @dataclass(frozen=True)
@@ -40,6 +43,11 @@ class RunGpuFault:
     gpu_index: int | None = None
     xid: int | None = None
     fault_class: str = "hardware"
+    # What the daemon classifies on its side (slurmft.gpu.xids.classify_fault): the agent's
+    # ``action`` is for its own log and the record, never what the daemon acts on.
+    kind: str = ""
+    code: int | str | None = None
+    detail: str = ""
 
 
 class Probe(Protocol):
@@ -70,7 +78,10 @@ class NodeGpuProbe:
 
     def probe(self) -> GpuReport:
         report = self.gpu_probe.check()
-        faults = tuple(GpuFault(f.drain_reason(), f.gpu, f.xid) for f in report.drain_faults)
+        faults = tuple(
+            GpuFault(f.drain_reason(), f.gpu, f.xid, f.kind.value, f.code, f.detail)
+            for f in report.drain_faults
+        )
         # Injected faults show even where there is no GPU: a test drives an emulated node so.
         return GpuReport(
             has_gpus=not report.no_gpu,
@@ -87,6 +98,9 @@ class NodeGpuProbe:
                 f.gpu,
                 f.xid,
                 f.fault_class,
+                f.kind.value,
+                f.code,
+                f.detail,
             )
             for f in self.gpu_probe.new_faults()
         ]

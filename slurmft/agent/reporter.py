@@ -44,6 +44,7 @@ from slurmft.protocol import (
     TIME_PATH,
     AgentBatch,
     AgentEvent,
+    AllocationReport,
     BatchReply,
     Command,
     ItemRefusal,
@@ -244,10 +245,11 @@ class Reporter:
         max_batch_items: int = 5_000,
         backoff_cap_s: float = 30.0,
         keepalive_s: float = 2.0,
+        agent_id: str = "",
     ):
         self.transport = transport
         self.run_id, self.node = run_id, node
-        self.agent_id = f"{node}-{uuid.uuid4().hex[:12]}"
+        self.agent_id = agent_id or f"{node}-{uuid.uuid4().hex[:12]}"
         self.on_command = on_command
         self.interval_s, self.max_batch_items, self.backoff_cap_s = (
             interval_s,
@@ -260,6 +262,7 @@ class Reporter:
         self.counters = self.buffer.counters
         self.seq = 0
         self.in_flight: AgentBatch | None = None
+        self.allocation: AllocationReport | None = None  # the next batch carries it
         self.failures = 0
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -275,14 +278,22 @@ class Reporter:
         self.add(event)
         self._wake.set()
 
+    def report_allocation(self, report: AllocationReport) -> None:
+        """The batch step's allocation, sent at once (a newer one not sent yet replaces it)."""
+        with self._lock:
+            self.allocation = report
+        self._wake.set()
+
     def pending(self) -> int:
         with self._lock:
-            return len(self.buffer) + (0 if self.in_flight is None else 1)
+            waiting = len(self.buffer) + (0 if self.allocation is None else 1)
+            return waiting + (0 if self.in_flight is None else 1)
 
     def _next_batch(self) -> AgentBatch | None:
         with self._lock:
             idle_s = time.monotonic() - self._last_batch_at
-            if self.in_flight is None and (len(self.buffer) or idle_s >= self.keepalive_s):
+            due = len(self.buffer) or self.allocation is not None or idle_s >= self.keepalive_s
+            if self.in_flight is None and due:
                 self._last_batch_at = time.monotonic()
                 heartbeats, step_times, events = self.buffer.take(self.max_batch_items)
                 self.seq += 1
@@ -295,7 +306,9 @@ class Reporter:
                     heartbeats=tuple(heartbeats),
                     step_times=tuple(step_times),
                     events=tuple(events),
+                    allocation=self.allocation,
                 )
+                self.allocation = None
             return self.in_flight
 
     def send_once(self) -> bool:

@@ -13,6 +13,7 @@ torch is imported only by the server process (`python -m slurmft.agent.store`).
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import logging
 import os
 import signal
@@ -32,6 +33,29 @@ _QUERY_VALIDATE = 0
 _QUERY_PING = 13
 _VALIDATION_MAGIC = 0x3C85F7CE
 READY_LINE = "slurmft-store ready"
+
+
+def check_store_host(host: str) -> str:
+    """``host``, which the store will listen on: refused (ValueError) when it is, or resolves to,
+    every interface's address (0.0.0.0, ::), which would expose the store to every network
+    the node is on instead of the job's (docs/security-rendezvous.md)."""
+    if not host:
+        raise ValueError("the rendezvous store needs the job network's address, not every one")
+    try:
+        found = {
+            str(info[4][0]) for info in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+        }
+    except (socket.gaierror, UnicodeError) as error:
+        raise ValueError(
+            f"cannot resolve the rendezvous store's address {host!r}: {error}"
+        ) from None
+    wildcard = sorted(a for a in found if ipaddress.ip_address(a.split("%")[0]).is_unspecified)
+    if wildcard:
+        raise ValueError(
+            f"the rendezvous store must not listen on every interface ({host!r} is "
+            f"{', '.join(wildcard)}): give this node's address on the job network"
+        )
+    return host
 
 
 def ping_store(host: str, port: int, timeout_s: float = 2.0) -> float:
@@ -58,6 +82,7 @@ def serve(host: str, port: int) -> None:
     from torch.distributed import TCPStore  # noqa: TID251 (the store's own process)
 
     # TCPStore alone listens on every interface; a socket we bind keeps it on the job network.
+    check_store_host(host)
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     listener.bind((host, port))
@@ -102,7 +127,7 @@ class StoreSupervisor:
         unhealthy_after: int = 2,
         start_timeout_s: float = 60.0,
     ):
-        self.host, self.port, self.python = host, port, python
+        self.host, self.port, self.python = check_store_host(host), port, python
         self.interval_s, self.ping_timeout_s = interval_s, ping_timeout_s
         self.unhealthy_after, self.start_timeout_s = unhealthy_after, start_timeout_s
         self.stats = SupervisorStats()
@@ -164,8 +189,11 @@ class StoreSupervisor:
             self.stats.failed_pings += 1
             dead = self.process is None or self.process.poll() is not None
             if dead or failures >= self.unhealthy_after:
-                log.warning("rendezvous store %s %s: restarting it", self.endpoint,
-                            "died" if dead else "does not answer")
+                log.warning(
+                    "rendezvous store %s %s: restarting it",
+                    self.endpoint,
+                    "died" if dead else "does not answer",
+                )
                 self._restart()
                 failures = 0
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import sys
@@ -17,6 +18,7 @@ from slurmft.config import ConfigError, PolicySection
 
 if TYPE_CHECKING:
     from slurmft.agent.agent import NodeAgent
+    from slurmft.agent.reporter import Reporter
 
 # Each command imports the part of the node side it runs (and logging, socket and tempfile), so
 # that `slurmft --version`, `--help` and the other command groups start without loading them.
@@ -128,7 +130,12 @@ def run(  # noqa: PLR0917 (typer: one parameter per option)
     _install_stop_signals(agent)
     code = agent.run()
     if outcome_dir:
-        write_step_outcome(outcome_dir, node, agent.outcome(code), agent.state.stop_reason)
+        try:
+            write_step_outcome(outcome_dir, node, agent.outcome(code), agent.state.stop_reason)
+        except OSError as error:  # a full or read-only checkpoint filesystem: exit as decided
+            logging.getLogger("slurmft.agent").error(
+                "could not write this agent's outcome in %s: %s", outcome_dir, error
+            )
     raise typer.Exit(int(code))
 
 
@@ -187,10 +194,8 @@ def batch(  # noqa: PLR0917 (typer: one parameter per option)
     token_file: Annotated[str, typer.Option(help="The run's token for the agents.")] = "",
 ) -> None:
     """The batch step: host the store, run and relaunch the agent step, requeue, keep the budget."""
-    import socket
-
     from slurmft.agent.batch import BatchSpec
-    from slurmft.agent.batch_step import BatchStep
+    from slurmft.agent.batch_step import BatchStep, store_address
     from slurmft.slurm.cli_backend import CliSlurmClient
 
     config = state(ctx).config
@@ -213,7 +218,51 @@ def batch(  # noqa: PLR0917 (typer: one parameter per option)
         raise ConfigError("`slurmft agent batch` runs inside a Slurm batch job (no SLURM_JOB_ID)")
     slurm = config.settings.slurm
     client = CliSlurmClient(slurm_conf=slurm.conf or None, timeout_s=slurm.command_timeout_s)
-    host = store_host or socket.gethostbyname(socket.gethostname())
-    step = BatchStep(spec, client, job_id, host)
+    try:
+        host = store_address(store_host)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    url = config.settings.agent.controller_url
+    reporter = _allocation_reporter(url, token_file, run_id, job_id)
+    step = BatchStep(
+        spec,
+        client,
+        job_id,
+        host,
+        report_allocation=reporter.report_allocation if reporter else None,
+    )
     signal.signal(signal.SIGUSR1, lambda *_: step.request_save_and_requeue())
-    raise typer.Exit(int(step.run()))
+    if reporter is not None:
+        reporter.start()
+    try:
+        code = step.run()
+    finally:
+        if reporter is not None:
+            reporter.stop(flush_timeout_s=5.0)
+    raise typer.Exit(int(code))
+
+
+def _allocation_reporter(
+    controller_url: str, token_file: str, run_id: str, job_id: str
+) -> Reporter | None:
+    """The batch step's own reporter to the daemon (its allocation only: no keep-alives, and
+    the commands in its replies are the agents', not its own); None without a daemon."""
+    if not controller_url or not token_file:
+        return None
+    import logging
+    import uuid
+
+    from slurmft.agent.reporter import HttpTransport, Reporter
+    from slurmft.protocol import BATCH_STEP_AGENT
+
+    token = Path(token_file).read_text().strip()
+    return Reporter(
+        HttpTransport(controller_url, token),
+        run_id=run_id,
+        node=_default_node_name(),
+        on_command=lambda command: logging.getLogger("slurmft.batch").debug(
+            "command %s for the agents, not the batch step", command.kind
+        ),
+        keepalive_s=float("inf"),
+        agent_id=f"{BATCH_STEP_AGENT}{job_id}-{uuid.uuid4().hex[:8]}",
+    )

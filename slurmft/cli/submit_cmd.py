@@ -8,6 +8,7 @@ is written where only the user can read it; the agents present it when they repo
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import sys
 from dataclasses import replace
@@ -26,7 +27,7 @@ if TYPE_CHECKING:
 # The batch script, the run spec and the Slurm client are loaded when a run is submitted, not
 # by every `slurmft` start that builds this command's options.
 
-TOKEN_DIR = ".slurmft"
+TOKEN_DIR = ".slurmft"  # slurmft.agent.state_dir.STATE_DIR
 
 
 def _slurmft_executable() -> str:
@@ -38,14 +39,11 @@ def _slurmft_executable() -> str:
 
 
 def _write_token(ckpt_dir: str, token: str) -> Path:
-    """The run's token, readable by its owner only, where every node of the job can read it."""
-    directory = Path(ckpt_dir) / TOKEN_DIR
-    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
-    path = directory / "token"
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as out:
-        out.write(token + "\n")
-    return path
+    """The run's token, readable by its owner only, where every node of the job can read it
+    (in a private ``<ckpt>/.slurmft``, never through a link: slurmft.agent.state_dir)."""
+    from slurmft.agent.state_dir import write_token
+
+    return write_token(ckpt_dir, token)
 
 
 def _spec_from(spec_file: Path | None, script: list[str], options: dict[str, Any]) -> RunSpec:
@@ -65,10 +63,13 @@ def _spec_from(spec_file: Path | None, script: list[str], options: dict[str, Any
 
 
 def _default_name(script: list[str]) -> str:
-    """`train.py ...` -> train; `-m pkg.train ...` -> train."""
+    """`train.py ...` -> train; `-m pkg.train ...` -> train. Characters a run name may not hold
+    become `_`: the name is slurmft's choice, so it never is what the spec refuses."""
     if len(script) >= 2 and script[0] == "-m":
-        return script[1].rsplit(".", 1)[-1]
-    return Path(script[0]).stem if script else "run"
+        name = script[1].rsplit(".", 1)[-1]
+    else:
+        name = Path(script[0]).stem if script else "run"
+    return re.sub(r"[^A-Za-z0-9_.\-]", "_", name, flags=re.ASCII)[:100] or "run"
 
 
 def submit(  # noqa: PLR0917 (typer: one parameter per option)
@@ -94,9 +95,10 @@ def submit(  # noqa: PLR0917 (typer: one parameter per option)
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
 ) -> None:
     """Submit a training run: `slurmft submit --nodes 3 --ckpt-dir /shared/ck -- train.py`."""
+    from slurmft.agent.state_dir import check_state_dir
     from slurmft.controller.resubmit import submission_record
     from slurmft.controller.rpc import SOCKET_NAME, call
-    from slurmft.slurm import SlurmError
+    from slurmft.errors import SlurmftError
 
     options = {
         "nodes": nodes,
@@ -113,13 +115,17 @@ def submit(  # noqa: PLR0917 (typer: one parameter per option)
     for warning in torch_support.warnings_for(torch_support.installed_version(), spec.spares):
         typer.echo(warning, err=True)
     cli = state(ctx)
+    # Refused before the run exists: a checkpoint directory whose .slurmft someone else made.
+    check_state_dir(spec.ckpt_dir)
     socket_path = cli.config.runtime_dir / SOCKET_NAME
     created = call(socket_path, "create_run", spec=spec.to_dict())
     run_id = created["run_id"]
     try:
         job_id, request = _submit_job(cli.config, spec, created)
-    except (SlurmError, OSError) as exc:
-        call(socket_path, "fail_run", run_id=run_id, reason=f"submission failed: {exc}")
+    except Exception as exc:  # whatever failed, the run must not stay pending for ever
+        known = isinstance(exc, SlurmftError | OSError)
+        why = str(exc) if known else f"{type(exc).__name__}: {exc}"
+        call(socket_path, "fail_run", run_id=run_id, reason=f"submission failed: {why}")
         raise
     # The daemon keeps what was sent, to send it again (as this user) if Slurm cannot requeue it.
     submission = submission_record(request, workdir=os.getcwd(), path=os.environ.get("PATH", ""))

@@ -46,6 +46,7 @@ from slurmft.db.records import (
     denylist_add,
     expire_planned_restarts,
     finish_action,
+    named_by_own_evidence,
     plan_action,
     record_control_error,
     record_event,
@@ -227,11 +228,11 @@ class Executor:
         assert effect is not None  # _intend returned a row id only for an effect
         try:
             effect()
-        except (SlurmPermissionDenied, SubmissionError, NotTheRunsJob) as exc:
+        except (SlurmPermissionDenied, SubmissionError, NotTheRunsJob, NotTheRunsNode) as exc:
             # Not an error to retry: this daemon may not do it. A person has to.
             error = (
                 f"drain requested, not permitted: {exc}"
-                if kind is ActionKind.DRAIN_NODE
+                if kind is ActionKind.DRAIN_NODE and not isinstance(exc, NotTheRunsNode)
                 else str(exc)
             )
             finish_action(row, ActionStatus.SKIPPED, error=error)
@@ -257,8 +258,11 @@ class Executor:
                 def drain() -> None:
                     # Slurm first: a drain this daemon may not do (or Slurm refuses) leaves no
                     # global denylist entry behind, only its skipped or failed row. Slurm gets
-                    # the reason cut to its limit; the action row keeps it whole.
+                    # the reason cut to its limit; the action row keeps it whole. And only a node
+                    # the run's own evidence names: never one another run's agents posted about.
                     check_node_name(node)  # refused before Slurm, or the denylist, sees it
+                    if not named_by_own_evidence(session, node, action.run_id):
+                        raise NotTheRunsNode(f"no evidence of run {action.run_id} names {node}")
                     self._slurm.drain(node, slurm_reason(action.reason))
                     denylist_add(session, node, action.reason)
 
@@ -359,6 +363,11 @@ class Executor:
 class NotTheRunsJob(SlurmftError):
     """Slurm says the job a run's action names is not that run's (another owner, another
     run's comment): the daemon does not touch it, and a person is told."""
+
+
+class NotTheRunsNode(SlurmftError):
+    """A drain names a node that no evidence of the run's own (an event judged not foreign)
+    names: the daemon does not drain it, and a person is told."""
 
 
 def _skipped_before(session: Session, kind: ActionKind, node: str | None, action: v.Action) -> bool:

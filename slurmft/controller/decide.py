@@ -9,6 +9,9 @@ batch step and the agents do the in-allocation ones on their own.
 Trust: evidence from a run's own processes takes a node out of *that run* at once; draining it
 in Slurm for everyone follows the trust policy (GPU drain-class faults by default, stragglers
 only after repeated windows, lemons only across different runs) and the drain rate limits.
+Evidence acts only on the run's own nodes (`RunView.nodes`: Slurm's view of its job and its
+allocation): observe gathers only evidence judged the run's own, and decide checks again, so a
+node outside the allocation is never excluded, drained or evicted on a run's word.
 """
 
 from __future__ import annotations
@@ -378,9 +381,10 @@ def _gpu_faults(
 ) -> tuple[list[Action], set[str]]:
     actions: list[Action] = []
     removed: set[str] = set()
+    own = _own_nodes(run)
     for fault in run.gpu_faults:
-        if fault.key in run.reported:
-            continue
+        if fault.key in run.reported or fault.node not in own:
+            continue  # acted on already, or not the run's node to act on
         reason = f"slurmft: {fault.description}"
         evidence = {"key": fault.key, "xid": fault.xid, "gpu": fault.gpu}
         if fault.event_id is None:  # an agent's report is an event already
@@ -514,10 +518,11 @@ def _stragglers(
     )
     actions: list[Action] = []
     gone: set[str] = set()
+    own = _own_nodes(run)
     for finding in findings:
         node = finding.node
-        if node in run.excluded or node in removed or node in gone:
-            continue
+        if node in run.excluded or node in removed or node in gone or node not in own:
+            continue  # a node outside the run's allocation is never judged by its step times
         actions += _event(
             run,
             f"straggler:{node}",
@@ -536,6 +541,11 @@ def _stragglers(
         if windows >= policy.trust.straggler_drain_after_windows:
             actions += gate.drain(node, run.run_id, f"{finding.reason}, slow in {windows} windows")
     return actions, gone
+
+
+def _own_nodes(run: RunView) -> frozenset[str]:
+    """The run's own nodes: those Slurm gives its job and its allocation holds."""
+    return frozenset(n.name for n in run.nodes)
 
 
 def _usable(run: RunView, removed: set[str]) -> list[str]:

@@ -49,6 +49,7 @@ from slurmft.errors import SlurmftError
 from slurmft.protocol import (
     AgentBatch,
     AgentEvent,
+    AllocationReport,
     BatchReply,
     Command,
     CommandKind,
@@ -225,16 +226,16 @@ def ingest_batches(
             cursors[batch.run_id, batch.agent_id] = batch.seq
     _store(session, fresh, now, sample_every)
     _write_cursors(session, fresh, now)
-    commands = _commands(
-        session, [b for b in accepted if isinstance(b, AgentBatch)], now, restart_ttl
-    )
+    # The batch step's reports get no commands: those are for the agents on its node.
+    agents = [b for b in accepted if isinstance(b, AgentBatch) and b.allocation is None]
+    commands = _commands(session, agents, now, restart_ttl)
     return [
         b
         if isinstance(b, IngestRefused)
         else BatchReply(
             acked_seq=b.seq,
             server_time=now.timestamp(),
-            commands=tuple(commands.get((b.run_id, b.node), ())),
+            commands=tuple(commands.get((b.run_id, b.node), ()) if b.allocation is None else ()),
         )
         for b in accepted
     ]
@@ -365,6 +366,27 @@ def _store(
     for run, batch in fresh:
         for event in batch.events:
             _store_event(session, run, batch, event)
+        if batch.allocation is not None:
+            _store_allocation_report(session, run, batch, batch.allocation)
+
+
+def _store_allocation_report(
+    session: Session, run: _RunState, batch: AgentBatch, report: AllocationReport
+) -> None:
+    """The batch step's claim, stored as evidence to judge (foreign NULL): the control pass
+    checks it against Slurm before any of it becomes the allocation (controller.allocation)."""
+    nodes = [{"node": m.node, "role": m.role.value} for m in report.nodes]
+    record_event(
+        session,
+        EventKind.ALLOCATION,
+        f"batch step reports job {report.job_id} on {len(nodes)} nodes",
+        run_id=run.run_id,
+        attempt_id=run.attempt_id,
+        node=batch.node,
+        details={"job_id": report.job_id, "nodes": nodes, "agent_id": batch.agent_id},
+        source="agent",
+        occurred_at=utc(batch.sent_at),
+    )
 
 
 def _store_event(session: Session, run: _RunState, batch: AgentBatch, event: AgentEvent) -> None:

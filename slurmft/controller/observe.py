@@ -17,6 +17,7 @@ from sqlalchemy import func, select
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
+from slurmft.controller.allocation import judge_allocation_reports, judge_evidence
 from slurmft.controller.detect import RankBeat, RankCompute
 from slurmft.controller.intents import settle_interrupted
 from slurmft.controller.reconcile import reconcile
@@ -52,6 +53,8 @@ from slurmft.db.records import OBSERVE_ONLY, denied_nodes, record_control_error
 from slurmft.db.states import AttemptState, RunState
 from slurmft.gpu.api import FaultAction
 from slurmft.gpu.lemons import LEMON_WINDOW, XidOccurrence
+from slurmft.gpu.xids import classify_fault
+from slurmft.protocol import BATCH_STEP_AGENT
 from slurmft.slurm.api import (
     JobInfo,
     NodeInfo,
@@ -224,6 +227,10 @@ def observe(
         record_control_error(session, run_id, "reading its job from Slurm", error)
     tracked = {run.id: (run, snapshot.attempts[run.id]) for run in snapshot.runs}
     reconcile(session, tracked, snapshot.jobs, now=now)
+    # The batch steps' reports checked against Slurm, then the evidence against them: only the
+    # run's own (foreign false) is gathered below.
+    judge_allocation_reports(session, slurm, now=now)
+    judge_evidence(session, [run.id for run in snapshot.runs])
     return gather(session, snapshot, now=now, bucket=bucket, buckets=buckets, steps=steps)
 
 
@@ -403,7 +410,9 @@ def _node_views(
     info: JobInfo | None,
     nodes: Mapping[str, NodeInfo],
 ) -> tuple[NodeView, ...]:
-    roles = {n.node: n.role for n in attempt.nodes} if attempt else {}
+    # The allocation's nodes (the batch step's report, checked against Slurm) give the roles;
+    # one that left it is no longer the run's.
+    roles = {n.node: n.role for n in attempt.nodes if n.left_at is None} if attempt else {}
     # The nodes Slurm gave the attempt, as first seen running: a node the job lost while the
     # daemon was down (or between recording the loss and acting on it) is no longer held, and
     # only this list still names it.
@@ -414,9 +423,11 @@ def _node_views(
     started_with = (
         set(attempt.nodelist.split(",")) if running and attempt and attempt.nodelist else set()
     )
+    if running:
+        started_with |= set(roles)
     held = set(info.nodes) if info and info.state.holds_nodes else set()
     views = []
-    for name in sorted(held | set(roles) | started_with):
+    for name in sorted(held | started_with):
         # A node the job no longer holds was taken away from it (shrunk under --no-kill).
         condition = node_condition(nodes.get(name)) if name in held else NodeCondition.LOST
         views.append(NodeView(name, roles.get(name, NodeRole.ACTIVE), condition))
@@ -519,7 +530,12 @@ def _agents_seen(session: Session, run_id: str, since: datetime) -> tuple[AgentS
     starts a new agent there: the newest counts)."""
     rows = session.execute(
         select(AgentCursor.node, func.max(AgentCursor.updated_at))
-        .where(AgentCursor.run_id == run_id, AgentCursor.updated_at >= since)
+        .where(
+            AgentCursor.run_id == run_id,
+            AgentCursor.updated_at >= since,
+            # The batch step reports too, from node 0: its batches say nothing of that agent.
+            ~AgentCursor.agent_id.startswith(BATCH_STEP_AGENT, autoescape=True),
+        )
         .group_by(AgentCursor.node)
     ).all()
     return tuple(AgentSeen(node, at) for node, at in rows)
@@ -549,13 +565,15 @@ def _reported_keys(
 
 
 def _gpu_faults(session: Session, run_id: str, since: datetime) -> tuple[GpuFault, ...]:
-    """GPU faults the run's agents reported (each already an event row)."""
+    """GPU faults the run's agents reported (each already an event row) about the run's own
+    nodes: foreign evidence, and evidence held until the allocation is known, are not read."""
     events = session.scalars(
         select(Event)
         .where(
             Event.run_id == run_id,
             Event.kind == EventKind.GPU_FAULT,
             Event.source == "agent",
+            Event.foreign.is_(False),
             Event.recorded_at >= since,
         )
         .order_by(Event.id)
@@ -563,7 +581,7 @@ def _gpu_faults(session: Session, run_id: str, since: datetime) -> tuple[GpuFaul
     return tuple(
         GpuFault(
             event.node,
-            _fault_action(event.details),
+            fault_action(event.details, event.xid),
             event.message,
             xid=event.xid,
             gpu=event.gpu_index,
@@ -574,12 +592,17 @@ def _gpu_faults(session: Session, run_id: str, since: datetime) -> tuple[GpuFaul
     )
 
 
-def _fault_action(details: dict[str, object]) -> FaultAction:
-    """The agent's classification; an unknown or missing one is a restart, never a crash."""
-    try:
-        return FaultAction(str(details.get("action")))
-    except ValueError:
-        return FaultAction.RESTART_APP
+def fault_action(details: dict[str, object], xid: int | None) -> FaultAction:
+    """The daemon's own classification of an agent's report, from the fault's kind and code
+    through the one table (slurmft.gpu.xids.classify_fault); the agent's stated action is kept
+    in the record but never read. An unknown fault is a restart, never a crash or a drain."""
+    detail = details.get("detail")
+    return classify_fault(
+        str(details.get("fault_kind") or ""),
+        xid=xid,
+        code=details.get("code"),
+        message=detail if isinstance(detail, str) else "",
+    )
 
 
 def xid_history(session: Session, *, now: datetime) -> tuple[XidOccurrence, ...]:
@@ -587,6 +610,7 @@ def xid_history(session: Session, *, now: datetime) -> tuple[XidOccurrence, ...]
     rows = session.execute(
         select(Event.node, Event.run_id, Event.xid, Event.occurred_at).where(
             Event.kind == EventKind.GPU_FAULT,
+            Event.foreign.is_(False),  # another run's word on a node it never held: not counted
             Event.xid.is_not(None),
             Event.node.is_not(None),
             Event.run_id.is_not(None),
@@ -628,6 +652,7 @@ def _straggler_windows(session: Session) -> dict[str, int]:
             Event.kind == EventKind.STRAGGLER,
             Event.node.is_not(None),
             Event.source != "agent",
+            Event.foreign.is_not(True),
         )
         .group_by(Event.node)
     ).all()

@@ -14,12 +14,19 @@ file), and it must belong to the run's owner, not to the daemon. So:
 sbatch passes its environment into the job (``--export=ALL``), so the owner's sbatch gets a
 clean one (the owner's HOME/USER/SHELL, the PATH recorded at submit, SLURM_CONF), never the
 daemon's own (which may hold the store's password).
+
+The recorded working directory and PATH are the user's to choose, so neither is used with the
+daemon's rights: the child enters the directory only after it has become the owner (a root
+daemon that changed into it first let the job start in a folder the owner cannot reach), and
+the sbatch it runs is the one on the daemon's own PATH, by absolute path, never one the
+recorded PATH finds (the recorded PATH is only passed on to the job).
 """
 
 from __future__ import annotations
 
 import os
 import pwd
+import shutil
 import subprocess
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, fields, replace
@@ -35,6 +42,10 @@ if TYPE_CHECKING:
 ROOT_UID = 0
 DEFAULT_PATH = "/usr/local/bin:/usr/bin:/bin"
 WAITING_FOR_OWNER = "waiting for the owner"
+# The child could not enter the recorded working directory as the owner (it then exits with
+# this status and says why on stderr after this marker, instead of running sbatch).
+ENTER_FAILED_EXIT = 126
+_ENTER_FAILED = "slurmft: cannot enter the working directory: "
 
 
 class SubmissionError(SlurmError):
@@ -111,23 +122,55 @@ def check_record(record: object) -> dict[str, Any]:
     return record
 
 
+def trusted_search_path(path: str | None = None) -> str:
+    """The daemon's own PATH (default: its environment's), absolute entries only: where the
+    Slurm commands it runs for an owner are looked up, never in the owner's recorded PATH."""
+    entries = (path if path is not None else os.environ.get("PATH", DEFAULT_PATH)).split(":")
+    return ":".join(entry for entry in entries if os.path.isabs(entry)) or DEFAULT_PATH
+
+
 class OwnerRunner:
     """Runs the Slurm commands for the run's owner: in a clean environment and the submit-time
     working directory, and under the owner's uid, gid and groups when ``switch_user`` (the
-    daemon is root)."""
+    daemon is root). The command is found on ``search_path`` (the daemon's), not on the PATH in
+    ``env``, and the directory is entered only once the child is the owner."""
 
     def __init__(
-        self, owner: pwd.struct_passwd, env: Mapping[str, str], workdir: str, *, switch_user: bool
+        self,
+        owner: pwd.struct_passwd,
+        env: Mapping[str, str],
+        workdir: str,
+        *,
+        switch_user: bool,
+        search_path: str | None = None,
     ) -> None:
         self._owner = owner
         self._env = dict(env)
         self._workdir = workdir
         self._switch_user = switch_user
+        self._search_path = trusted_search_path(search_path)
+
+    def _program(self, name: str) -> str:
+        found = name if os.path.isabs(name) else shutil.which(name, path=self._search_path)
+        if found is None:
+            raise SubmissionError(
+                f"{name} is not on the daemon's PATH ({self._search_path}); {WAITING_FOR_OWNER}",
+                argv=(name,),
+            )
+        return os.path.abspath(found)
 
     def run(
         self, argv: Sequence[str], timeout: float, *, stdin: str | None = None
     ) -> CommandResult:
         owner = self._owner
+        workdir = self._workdir
+        if not os.path.isabs(workdir):
+            raise SubmissionError(
+                f"the recorded working directory {workdir!r} is not an absolute path; "
+                f"{WAITING_FOR_OWNER}",
+                argv=argv,
+            )
+        program = self._program(argv[0])
         identity: dict[str, Any] = {}
         if self._switch_user:
             identity = {
@@ -135,27 +178,44 @@ class OwnerRunner:
                 "group": owner.pw_gid,
                 "extra_groups": os.getgrouplist(owner.pw_name, owner.pw_gid),
             }
+
+        def enter_workdir() -> None:
+            # In the child, after subprocess has switched groups, gid and uid (it runs
+            # preexec_fn last): the owner's rights decide whether the directory can be entered.
+            # Only system calls here (no import, no lock): the daemon has other threads.
+            try:
+                os.chdir(workdir)
+            except OSError as error:
+                os.write(2, f"{_ENTER_FAILED}{error.strerror}\n".encode())
+                os._exit(ENTER_FAILED_EXIT)
+
         try:
             completed = subprocess.run(
-                list(argv),
+                [program, *argv[1:]],
                 input=stdin,
                 capture_output=True,
                 text=True,
                 timeout=timeout,
                 check=False,
                 env=self._env,
-                cwd=self._workdir,
+                preexec_fn=enter_workdir,
                 **identity,
             )
         except subprocess.TimeoutExpired as error:
             raise SubmissionError(
                 f"{argv[0]} as {owner.pw_name} did not answer within {timeout:g} s", argv=argv
             ) from error
-        except OSError as error:  # no such directory, not permitted, not installed
+        except OSError as error:  # not permitted, not executable
             raise SubmissionError(
-                f"could not run {argv[0]} as {owner.pw_name} in {self._workdir}: {error}",
-                argv=argv,
+                f"could not run {program} as {owner.pw_name} in {workdir}: {error}", argv=argv
             ) from error
+        if completed.returncode == ENTER_FAILED_EXIT and completed.stderr.startswith(_ENTER_FAILED):
+            why = completed.stderr.removeprefix(_ENTER_FAILED).strip()
+            raise SubmissionError(
+                f"could not run {argv[0]} as {owner.pw_name} in {workdir}: {owner.pw_name} "
+                f"cannot enter it ({why}); {WAITING_FOR_OWNER}",
+                argv=argv,
+            )
         return CommandResult(tuple(argv), completed.returncode, completed.stdout, completed.stderr)
 
 
@@ -163,11 +223,18 @@ class OwnerSubmitter:
     """The executor's ``submit_attempt``: the run's recorded job again, as the run's owner."""
 
     def __init__(
-        self, *, slurm_conf: str | None, timeout_s: float, daemon_uid: int | None = None
+        self,
+        *,
+        slurm_conf: str | None,
+        timeout_s: float,
+        daemon_uid: int | None = None,
+        search_path: str | None = None,
     ) -> None:
         self._slurm_conf = slurm_conf
         self._timeout_s = timeout_s
         self._uid = os.geteuid() if daemon_uid is None else daemon_uid
+        # Where sbatch is found: the daemon's PATH as it started, never the owner's.
+        self._search_path = trusted_search_path(search_path)
 
     def __call__(self, run: Run, exclude: frozenset[str], action_id: int) -> str:
         if run.submission is None:
@@ -203,4 +270,10 @@ class OwnerSubmitter:
         elif "SLURM_CONF" in os.environ:
             env["SLURM_CONF"] = os.environ["SLURM_CONF"]
         workdir = str(record.get("workdir") or owner.pw_dir)
-        return OwnerRunner(owner, env, workdir, switch_user=self._uid != run.owner_uid)
+        return OwnerRunner(
+            owner,
+            env,
+            workdir,
+            switch_user=self._uid != run.owner_uid,
+            search_path=self._search_path,
+        )

@@ -14,8 +14,15 @@ from typing import Any
 
 from slurmft.errors import SlurmftError
 
-_TIME_LIMIT = re.compile(r"^(\d+-)?\d+(:\d{2}){0,2}$")
-_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,100}$")
+# Matched with fullmatch, in ASCII: `$` would take a name ending in a newline (it matches before
+# a final one), and `\d` would take any script's digits.
+_TIME_LIMIT = re.compile(r"(\d+-)?\d+(:\d{2}){0,2}", re.ASCII)
+_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,100}", re.ASCII)
+# Beyond any cluster Slurm runs (the largest have about 10,000 nodes), and what the store and the
+# batch step can hold: a larger count is a mistake, refused here rather than by the database.
+MAX_NODES = 65_536
+MAX_NPROC_PER_NODE = 1_024
+MAX_SAVE_LEAD_S = 65_535  # sbatch --signal=...@<seconds> takes at most this
 
 
 class SpecError(SlurmftError):
@@ -41,13 +48,25 @@ class RunSpec:
         for f in fields(self):
             _check_type(f.name, getattr(self, f.name), f.type)
         _check(
-            bool(_NAME.match(self.name)),
+            bool(_NAME.fullmatch(self.name)),
             "name",
             f"{self.name!r}: use letters, digits, '_', '.', '-' (at most 100)",
         )
-        _check(self.nodes >= 1, "nodes", f"{self.nodes}: at least 1 training node")
-        _check(self.spares >= 0, "spares", f"{self.spares}: 0 or more")
-        _check(self.nproc_per_node >= 1, "nproc_per_node", f"{self.nproc_per_node}: at least 1")
+        _check(
+            1 <= self.nodes <= MAX_NODES,
+            "nodes",
+            f"{_number(self.nodes)}: at least 1 training node, at most {MAX_NODES}",
+        )
+        _check(
+            0 <= self.spares <= MAX_NODES - self.nodes,
+            "spares",
+            f"{_number(self.spares)}: 0 or more, at most {MAX_NODES} nodes with the training ones",
+        )
+        _check(
+            1 <= self.nproc_per_node <= MAX_NPROC_PER_NODE,
+            "nproc_per_node",
+            f"{_number(self.nproc_per_node)}: at least 1, at most {MAX_NPROC_PER_NODE}",
+        )
         _check(bool(self.script), "script", "missing: `slurmft submit ... -- train.py [args]`")
         _check(
             Path(self.ckpt_dir).is_absolute(),
@@ -55,11 +74,15 @@ class RunSpec:
             f"{self.ckpt_dir!r}: an absolute path on a filesystem every node mounts",
         )
         _check(
-            self.time_limit is None or bool(_TIME_LIMIT.match(self.time_limit)),
+            self.time_limit is None or bool(_TIME_LIMIT.fullmatch(self.time_limit)),
             "time_limit",
             f"{self.time_limit!r}: minutes or [D-]HH:MM[:SS], e.g. 2-00:00:00",
         )
-        _check(self.save_lead_s >= 0, "save_lead_s", f"{self.save_lead_s}: 0 or more seconds")
+        _check(
+            0 <= self.save_lead_s <= MAX_SAVE_LEAD_S,
+            "save_lead_s",
+            f"{_number(self.save_lead_s)}: 0 to {MAX_SAVE_LEAD_S} seconds",
+        )
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -103,7 +126,47 @@ def _check_type(name: str, value: object, annotation: object) -> None:
     if ok and isinstance(value, tuple | dict):
         items = value.items() if isinstance(value, dict) else ((v, v) for v in value)
         ok = all(isinstance(k, str) and isinstance(v, str) for k, v in items)
-    _check(ok, name, f"{value!r} is not {str(annotation).replace(' | None', ' or nothing')}")
+    _check(ok, name, f"{_shown(value)} is not {str(annotation).replace(' | None', ' or nothing')}")
+    for word in _strings(value):
+        _check_text(name, word)
+
+
+def _strings(value: object) -> list[str]:
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, dict):
+        return [str(word) for pair in value.items() for word in pair]
+    if isinstance(value, tuple):
+        return [str(word) for word in value]
+    return []
+
+
+def _check_text(name: str, word: str) -> None:
+    """Every string of a spec goes to the store, to the batch script and to sbatch as UTF-8
+    text: a word that is not (bytes a shell passed through from a file name in another
+    encoding, as lone surrogates) or that holds a NUL is refused here, before any run exists."""
+    try:
+        word.encode("utf-8")
+    except UnicodeEncodeError:
+        shown = word.encode("utf-8", "backslashreplace").decode("ascii", "replace")
+        raise SpecError(
+            f"bad {name}: '{shown}' is not valid UTF-8 text (rename the file, or pass the "
+            f"argument in UTF-8)"
+        ) from None
+    _check("\x00" not in word, name, f"{word!r} contains a NUL character")
+
+
+def _number(value: int) -> str:
+    """A count as a message shows it: a huge one by its size, not in full (Python refuses to
+    print an int of more than 4,300 digits)."""
+    return str(value) if abs(value) < 10**20 else f"a number of {value.bit_length()} bits"
+
+
+def _shown(value: object) -> str:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return _number(value)
+    text = repr(value)
+    return text if len(text) <= 200 else f"{text[:200]}..."
 
 
 def _check(ok: bool, name: str, why: str) -> None:

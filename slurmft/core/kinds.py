@@ -49,6 +49,9 @@ class EventKind(enum.StrEnum):
     # The daemon could not observe, decide or act for this run in a control pass (bad data, a
     # bug): the error is the message; the pass went on for the other runs.
     CONTROL_ERROR = "control_error"
+    # The batch step's report of its job and nodes (protocol.AllocationReport), judged against
+    # Slurm: foreign when Slurm does not confirm it (the daemon's event says why).
+    ALLOCATION = "allocation"
 
 
 class ActionKind(enum.StrEnum):

@@ -321,6 +321,10 @@ class Event(Base):
     # Training time this failure cost: detection + recovery + work redone since the checkpoint.
     time_lost_s: Mapped[float | None] = mapped_column(Float)
     source: Mapped[str] = mapped_column(String(32), default="daemon")
+    # An agent's evidence is judged against its attempt's allocation (slurmft.controller
+    # .allocation): true when it names a node (or a job) that is not the run's own, and then it
+    # is never acted on; NULL until the allocation is known (held). The daemon's own: false.
+    foreign: Mapped[bool | None]
     occurred_at: Mapped[datetime] = mapped_column(default=utcnow)
     recorded_at: Mapped[datetime] = mapped_column(default=utcnow)
 

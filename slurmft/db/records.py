@@ -42,7 +42,10 @@ def record_event(
     details: dict[str, Any] | None = None,
     source: str = "daemon",
     occurred_at: datetime | None = None,
+    foreign: bool | None = None,
 ) -> Event:
+    """One event row. An agent's is judged later against its attempt's allocation (``foreign``
+    NULL until then: slurmft.controller.allocation); the daemon's own is never foreign."""
     event = Event(
         run_id=run_id,
         attempt_id=attempt_id,
@@ -55,11 +58,23 @@ def record_event(
         message=message,
         details=details or {},
         source=source,
+        foreign=foreign if foreign is not None or source == "agent" else False,
         occurred_at=occurred_at or utcnow(),
     )
     session.add(event)
     session.flush()
     return event
+
+
+def named_by_own_evidence(session: Session, node: str, run_id: str | None) -> bool:
+    """Some event of the run (of any run, without one) that was judged the run's own names the
+    node: the only ground on which the daemon drains it for everyone."""
+    query = select(Event.id).where(Event.node == node, Event.foreign.is_(False))
+    if run_id is not None:
+        query = query.where(Event.run_id == run_id)
+    else:
+        query = query.where(Event.run_id.is_not(None))
+    return session.scalars(query.limit(1)).first() is not None
 
 
 def plan_action(

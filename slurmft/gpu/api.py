@@ -36,6 +36,7 @@ class FaultKind(enum.StrEnum):
     RETIRED_PAGES_PENDING = "retired_pages_pending"  # a page retirement waits for a reset
     RECOVERY_ACTION = "recovery_action"  # the driver says the GPU needs reset/reboot/drain
     GPU_LOST = "gpu_lost"  # NVML: GPU is lost (fell off the bus)
+    GPU_UNREACHABLE = "gpu_unreachable"  # NVML cannot open the GPU: recorded, not drained
     CLOCK_SLOWDOWN = "clock_slowdown"  # thermal or power slowdown: explains a straggler
     DCGM_HEALTH = "dcgm_health"  # a `dcgmi health` incident
 
@@ -63,6 +64,10 @@ class GpuFault:
     # Identity for de-duplication: an event's sequence number, or a condition's value.
     key: str = ""
     monotonic_s: float | None = None  # kernel-log time (seconds since boot), where known
+    # What the kind's classification reads besides the Xid: the NVML recovery action's value,
+    # DCGM's health string ("Failure"). The daemon classifies (kind, xid, code, detail) again
+    # itself (slurmft.gpu.xids.classify_fault): an agent's word on the action is not taken.
+    code: int | str | None = None
 
     def drain_reason(self) -> str:
         """The Slurm drain reason: ``slurmft: Xid 79 GPU fell off the bus (GPU 3)``."""
@@ -84,6 +89,7 @@ class GpuFault:
             "pci_bus": self.pci_bus,
             "detail": self.detail,
             "fault_class": self.fault_class,
+            "code": self.code,
             "drain_reason": self.drain_reason(),
         }
 

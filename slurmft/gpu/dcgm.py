@@ -17,10 +17,10 @@ import subprocess
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from slurmft.gpu.api import FaultAction, FaultKind, GpuFault, SourceReport, SourceStatus
+from slurmft.gpu.api import FaultKind, GpuFault, SourceReport, SourceStatus
+from slurmft.gpu.xids import DCGM_HEALTH_ACTIONS
 
 Runner = Callable[..., subprocess.CompletedProcess[str]]
-_ACTION = {"Failure": FaultAction.DRAIN, "Warning": FaultAction.RECORD}
 
 
 def parse_dcgmi_health(text: str) -> list[GpuFault]:
@@ -34,14 +34,14 @@ def _entity(gpu_id: str, node: dict[str, Any]) -> Iterator[GpuFault]:
     systems = node.get("children", {}).get("Errors", {}).get("children", {})
     for system, entry in systems.items():
         health = entry.get("value", "")
-        action = _ACTION.get(health)
+        action = DCGM_HEALTH_ACTIONS.get(health)
         if action is None:
             continue
         message = " ".join(entry.get("overflow", []))
         yield GpuFault(
             FaultKind.DCGM_HEALTH, action, f"DCGM {system} {health.lower()}", "dcgm",
             gpu=int(gpu_id) if gpu_id.isdigit() else None, detail=message,
-            key=f"dcgm:{system}:{health}",
+            key=f"dcgm:{system}:{health}", code=health,
         )
 
 

@@ -27,15 +27,17 @@ from pathlib import Path
 from typing import Any
 
 from slurmft.gpu.api import FaultAction, FaultKind, GpuFault, SourceReport, SourceStatus
-from slurmft.gpu.xids import classify_recovery_action, classify_xid
+from slurmft.gpu.xids import CONDITION_ACTIONS, classify_recovery_action, classify_xid
 
 _CONDITIONS: dict[str, tuple[FaultKind, FaultAction, str]] = {
-    "remap_pending": (FaultKind.REMAP_PENDING, FaultAction.DRAIN,
+    "remap_pending": (FaultKind.REMAP_PENDING, CONDITION_ACTIONS[FaultKind.REMAP_PENDING],
                       "row remap pending (GPU reset needed)"),
-    "remap_failure": (FaultKind.REMAP_FAILURE, FaultAction.DRAIN, "row remap failure"),
-    "retired_pages_pending": (FaultKind.RETIRED_PAGES_PENDING, FaultAction.DRAIN,
+    "remap_failure": (FaultKind.REMAP_FAILURE, CONDITION_ACTIONS[FaultKind.REMAP_FAILURE],
+                      "row remap failure"),
+    "retired_pages_pending": (FaultKind.RETIRED_PAGES_PENDING,
+                              CONDITION_ACTIONS[FaultKind.RETIRED_PAGES_PENDING],
                               "retired pages pending (GPU reset needed)"),
-    "gpu_lost": (FaultKind.GPU_LOST, FaultAction.DRAIN, "GPU is lost"),
+    "gpu_lost": (FaultKind.GPU_LOST, CONDITION_ACTIONS[FaultKind.GPU_LOST], "GPU is lost"),
 }
 
 
@@ -74,9 +76,10 @@ def fault_from_spec(spec: dict[str, Any], key: str) -> GpuFault:
                         f"uncorrected ECC errors: {count}", "inject", gpu=gpu, detail=detail,
                         key=key)
     if kind == "recovery_action":
-        action, summary = classify_recovery_action(int(spec.get("value", 1)))
+        value = int(spec.get("value", 1))
+        action, summary = classify_recovery_action(value)
         return GpuFault(FaultKind.RECOVERY_ACTION, action, summary, "inject", gpu=gpu,
-                        detail=detail, key=key)
+                        detail=detail, key=key, code=value)
     if kind == "clock_slowdown":
         return GpuFault(FaultKind.CLOCK_SLOWDOWN, FaultAction.RECORD,
                         f"clocks slowed: {spec.get('reasons', 'thermal')}", "inject", gpu=gpu,

@@ -14,6 +14,7 @@ import contextlib
 import importlib
 import threading
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from typing import Any
 
 from slurmft.gpu.api import FaultAction, FaultKind, GpuFault, SourceReport, SourceStatus
@@ -238,8 +239,9 @@ class NvmlSource:
         value = int(values[0].value.uiVal)
         action, summary = classify_recovery_action(value)
         if action is not FaultAction.RECORD:
-            yield self._fault(index, FaultKind.RECOVERY_ACTION, action, summary,
-                              f"recovery:{value}")
+            fault = self._fault(index, FaultKind.RECOVERY_ACTION, action, summary,
+                                f"recovery:{value}")
+            yield replace(fault, code=value)
 
     def _clocks(self, index: int, handle: Any) -> Iterator[GpuFault]:
         reasons = self._safe("nvmlDeviceGetCurrentClocksEventReasons", handle)
@@ -277,7 +279,8 @@ def _lost_or_unreachable(index: int, exc: BaseException) -> GpuFault:
         return _gpu_lost(index, f"nvmlDeviceGetHandleByIndex({index}): GPU is lost")
     # Seen on dying GPUs ("Unable to determine the device handle ... Unknown Error"), but also
     # on transient driver trouble: recorded for a human, not a drain on its own.
-    return GpuFault(FaultKind.GPU_LOST, FaultAction.RECORD, "GPU not reachable by NVML", "nvml",
+    return GpuFault(FaultKind.GPU_UNREACHABLE, FaultAction.RECORD, "GPU not reachable by NVML",
+                    "nvml",
                     gpu=index, detail=f"nvmlDeviceGetHandleByIndex({index}): {exc}",
                     key=f"unreachable:{error_code(exc)}")
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from slurmft.gpu.api import FaultAction
+from slurmft.gpu.api import FaultAction, FaultKind
 
 # Xids that are usually the application's own bug (NVIDIA: WORKFLOW_XID_13 / _31; Xid 43 is
 # "a user application error"). One run alone never makes a node a lemon: see lemons.py.
@@ -158,6 +158,51 @@ def classify_recovery_action(value: int) -> tuple[FaultAction, str]:
     if value == 0:
         return FaultAction.RECORD, "GPU recovery action None"
     return FaultAction.DRAIN, f"GPU recovery action {name}"
+
+
+# The conditions NVML reads (and injection mimics): the kind alone says what it asks for.
+CONDITION_ACTIONS: dict[FaultKind, FaultAction] = {
+    FaultKind.ECC_UNCORRECTED: FaultAction.DRAIN,
+    FaultKind.REMAP_PENDING: FaultAction.DRAIN,
+    FaultKind.REMAP_FAILURE: FaultAction.DRAIN,
+    FaultKind.RETIRED_PAGES_PENDING: FaultAction.DRAIN,
+    FaultKind.GPU_LOST: FaultAction.DRAIN,
+    FaultKind.GPU_UNREACHABLE: FaultAction.RECORD,
+    FaultKind.CLOCK_SLOWDOWN: FaultAction.RECORD,
+}
+# `dcgmi health`: a Failure drains (DCGM saw the GPU fail a watched system), a Warning is
+# recorded; Healthy is no fault.
+DCGM_HEALTH_ACTIONS: dict[str, FaultAction] = {
+    "Failure": FaultAction.DRAIN,
+    "Warning": FaultAction.RECORD,
+}
+# What a fault this table cannot classify calls for: restart the application, never a drain
+# on a guess (as for an unknown Xid).
+UNKNOWN_FAULT_ACTION = FaultAction.RESTART_APP
+
+
+def classify_fault(
+    kind: str | None, *, xid: int | None = None, code: object = None, message: str = ""
+) -> FaultAction:
+    """The action a reported fault calls for, from its kind and code alone: the daemon's own
+    reading of an agent's report (the agent's stated action is never taken). An Xid goes
+    through XID_TABLE (``message``: the driver's line, which Xid 154 and the NVLink5 Xids
+    read), the NVML recovery action through RECOVERY_ACTIONS, DCGM's health string through
+    DCGM_HEALTH_ACTIONS; anything unknown is UNKNOWN_FAULT_ACTION."""
+    if kind in (None, "", FaultKind.XID) and xid is not None:
+        return classify_xid(xid, message).action
+    if kind == FaultKind.RECOVERY_ACTION:
+        if isinstance(code, int) and not isinstance(code, bool):
+            return classify_recovery_action(code)[0]
+        return UNKNOWN_FAULT_ACTION
+    if kind == FaultKind.DCGM_HEALTH:
+        return DCGM_HEALTH_ACTIONS.get(code, UNKNOWN_FAULT_ACTION) if isinstance(code, str) else (
+            UNKNOWN_FAULT_ACTION
+        )
+    try:
+        return CONDITION_ACTIONS.get(FaultKind(str(kind)), UNKNOWN_FAULT_ACTION)
+    except ValueError:
+        return UNKNOWN_FAULT_ACTION
 
 
 def xid_table_markdown() -> str:

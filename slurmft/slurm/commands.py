@@ -22,7 +22,7 @@ SQUEUE_FORMAT = "%i|%T|%r|%N|%B|%k|%j"
 SINFO_FIELDS = ("name", "state", "reason_user", "reason_time", "reason")
 SINFO_FORMAT = "%N|%T|%u|%H|%E"
 
-_JOB_ID = re.compile(r"\d+([_+]\d+)?")
+_JOB_ID = re.compile(r"\d+([_+]\d+)?", re.ASCII)  # fullmatch: no final newline
 
 
 def is_job_id(job_id: object) -> bool:

@@ -22,7 +22,7 @@ from slurmft.errors import SlurmftError
 MANIFEST_NAME = "manifest.json"
 MANIFEST_FORMAT = "slurmft-checkpoint"
 MANIFEST_VERSION = 1
-_PUBLISHED = re.compile(r"^step-(\d{9})$")
+_PUBLISHED = re.compile(r"step-(\d{9})", re.ASCII)  # fullmatch: no final newline
 _CHUNK = 1 << 20
 
 
@@ -146,7 +146,7 @@ def published_checkpoints(root: Path) -> list[tuple[int, Path]]:
     found = []
     if root.is_dir():
         for entry in root.iterdir():
-            match = _PUBLISHED.match(entry.name)
+            match = _PUBLISHED.fullmatch(entry.name)
             if match and entry.is_dir():
                 found.append((int(match.group(1)), entry))
     return sorted(found, reverse=True)

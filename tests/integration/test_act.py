@@ -23,7 +23,7 @@ from slurmft.db.models import (
     FaultClass,
     Run,
 )
-from slurmft.db.records import denied_nodes
+from slurmft.db.records import denied_nodes, record_event
 from slurmft.db.states import AttemptState, RunState
 from slurmft.slurm.api import JobInfo, SlurmError, SlurmPermissionDenied, SlurmUnreachable
 from slurmft.slurm.cli_backend import CliSlurmClient
@@ -110,7 +110,23 @@ def test_gpu_fault_is_recorded_excluded_and_drained(database: Database, run_id: 
         )
 
 
+def _own_evidence(database: Database, run_id: str, node: str, *, foreign: bool) -> None:
+    """An agent's Xid 79 report on ``node``, judged the run's own or foreign."""
+    with database.session() as s:
+        record_event(
+            s,
+            EventKind.GPU_FAULT,
+            XID79,
+            run_id=run_id,
+            node=node,
+            xid=79,
+            source="agent",
+            foreign=foreign,
+        )
+
+
 def test_drain_without_privilege_is_recorded_as_requested(database: Database, run_id: str) -> None:
+    _own_evidence(database, run_id, "n2", foreign=False)
     slurm = RecordingSlurm(fail={"drain": SlurmPermissionDenied("Access/permission denied")})
     (outcome,) = Executor(database, slurm).execute(  # type: ignore[arg-type]
         [v.DrainNode(run_id, XID79, node="n2")]
@@ -118,8 +134,31 @@ def test_drain_without_privilege_is_recorded_as_requested(database: Database, ru
     assert outcome.status is ActionStatus.SKIPPED
     (kind, node, status, error), notice = _actions(database)
     assert (kind, node, status) == (ActionKind.DRAIN_NODE, "n2", ActionStatus.SKIPPED)
-    assert error is not None and error.startswith("drain requested, not permitted")
+    assert error == "drain requested, not permitted: Access/permission denied"
     assert notice[:3] == (ActionKind.NOTIFY, None, ActionStatus.DONE)  # a person must drain it
+
+
+@pytest.mark.parametrize("evidence", ["none", "foreign", "another run's"])
+def test_a_drain_no_own_evidence_names_is_not_done(
+    database: Database, run_id: str, seed_run: Callable[..., None], evidence: str
+) -> None:
+    """Only a node the run's own (judged) evidence names is drained for everyone: no Slurm
+    drain, no denylist entry (which would tell every run's agent there to leave)."""
+    if evidence == "foreign":
+        _own_evidence(database, run_id, "n2", foreign=True)
+    elif evidence == "another run's":
+        seed_run(database, "r2")
+        _own_evidence(database, "r2", "n2", foreign=False)
+    slurm = RecordingSlurm()
+    (outcome,) = Executor(database, slurm).execute(  # type: ignore[arg-type]
+        [v.DrainNode(run_id, XID79, node="n2")]
+    )
+    assert outcome.status is ActionStatus.SKIPPED
+    assert outcome.error == f"no evidence of run {run_id} names n2"
+    assert slurm.calls == []
+    with database.session() as s:
+        assert denied_nodes(s) == set()
+    assert _actions(database)[-1][:3] == (ActionKind.NOTIFY, None, ActionStatus.DONE)
 
 
 def test_slurm_down_fails_one_action_and_the_next_still_runs(
@@ -417,6 +456,7 @@ def test_a_long_drain_reason_is_cut_for_slurm_and_kept_whole_in_its_row(
     database: Database, run_id: str
 ) -> None:
     reason = "slurmft: Xid 79 GPU has fallen off the bus: " + "detail " * 80 + "\nend"
+    _own_evidence(database, run_id, "n2", foreign=False)
     runner = AcceptingRunner()
     (outcome,) = Executor(database, CliSlurmClient(runner)).execute(
         [v.DrainNode(run_id, reason, node="n2")]

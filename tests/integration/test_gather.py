@@ -11,7 +11,7 @@ from support.slurm_recordings import ReplayRunner
 from slurmft.controller.decide import Policy, TrustPolicy, decide, lemon_nodes
 from slurmft.controller.observe import gather, observe, read_slurm
 from slurmft.controller.reconcile import reconcile
-from slurmft.controller.views import ExcludeNode, JobPhase, NotifyHuman
+from slurmft.controller.views import ExcludeNode, JobPhase, NotifyHuman, RequeueJob
 from slurmft.db import Database
 from slurmft.db.models import (
     Action,
@@ -52,18 +52,20 @@ def _seed(database: Database) -> None:
                 run_id="r14", number=1, slurm_job_id="14", submitted_at=NOW - timedelta(minutes=10)
             )
         )
-        # What the ingest endpoint wrote for an agent's report of an Xid 79 on n4.
+        # What the ingest endpoint wrote for an agent's report of an Xid 79 on n2, judged the
+        # run's own (its job holds n2).
         s.add(
             Event(
                 run_id="r14",
                 kind=EventKind.GPU_FAULT,
-                node="n4",
+                node="n2",
                 xid=79,
                 gpu_index=3,
                 fault_class=FaultClass.HARDWARE,
                 source="agent",
                 message="Xid 79 GPU has fallen off the bus (GPU 3)",
-                details={"action": FaultAction.DRAIN.value},
+                details={"action": FaultAction.DRAIN.value, "fault_kind": "xid"},
+                foreign=False,
             )
         )
         # Restart-class Xids on n5 in two different earlier runs: a lemon.
@@ -87,6 +89,7 @@ def _seed(database: Database) -> None:
                     node="n5",
                     xid=13,
                     source="agent",
+                    foreign=False,  # judged the run's own
                     occurred_at=NOW - timedelta(days=1),
                 )
             )
@@ -105,12 +108,15 @@ def test_gather_builds_the_view_and_the_drain_cap_holds(database: Database) -> N
     run = next(r for r in view.runs if r.run_id == "r14")
     assert run.job is not None and run.job.phase is JobPhase.ACTIVE
     (fault,) = run.gpu_faults
-    assert (fault.node, fault.action, fault.xid, fault.gpu) == ("n4", FaultAction.DRAIN, 79, 3)
+    assert (fault.node, fault.action, fault.xid, fault.gpu) == ("n2", FaultAction.DRAIN, 79, 3)
     assert view.drained_nodes == 1  # n3 is draining with a slurmft reason in the recording
     actions = [a for a in decide(view, Policy()) if a.run_id == "r14"]
     # A second slurmft drain would pass 10% of a 6-node partition: refused, a human is told.
+    # (n2 was one of the job's two nodes: the job is requeued without it.)
     assert [(type(a), getattr(a, "node", None)) for a in actions] == [
-        (ExcludeNode, "n4"),
+        (ExcludeNode, "n2"),
+        (NotifyHuman, None),
+        (RequeueJob, None),
         (NotifyHuman, None),
     ]
     assert "refused by the rate limits" in actions[1].reason
@@ -261,4 +267,6 @@ def test_attempted_drains_count_against_the_hourly_limit_not_only_done_ones(
     # Four drains an hour by default: the fault's drain becomes a notice to a person.
     actions = decide(replace(view, partition_nodes=100, drained_nodes=0), Policy())
     refused = [a for a in actions if isinstance(a, NotifyHuman)]
-    assert [a.reason.split(":")[0] for a in refused] == ["drain of n4 refused by the rate limits"]
+    assert [a.reason.split(":")[0] for a in refused if "rate limits" in a.reason] == [
+        "drain of n2 refused by the rate limits"
+    ]

@@ -14,7 +14,8 @@ from slurmft.controller import views as v
 from slurmft.controller.act import Executor
 from slurmft.controller.intents import INTERRUPTED, NOT_SUBMITTED, settle_interrupted
 from slurmft.db import Database
-from slurmft.db.models import Action, ActionKind, ActionStatus, Attempt, Run
+from slurmft.db.models import Action, ActionKind, ActionStatus, Attempt, EventKind, Run
+from slurmft.db.records import record_event
 from slurmft.db.states import AttemptState, RunState
 from slurmft.slurm.api import JobInfo
 from slurmft.slurm.script import comment_for_run
@@ -109,6 +110,8 @@ def test_an_interrupted_effect_without_a_tagged_job_fails_and_is_decided_again(
     executor = Executor(database, slurm, submit_attempt=killed_before_sbatch)  # type: ignore[arg-type]
     with pytest.raises(Killed):
         executor.execute([_resubmit("r3")])
+    with database.session() as s:  # the run's own evidence names n2: the drain goes ahead
+        record_event(s, EventKind.GPU_FAULT, "Xid 79", run_id="r3", node="n2", foreign=False)
     with pytest.raises(Killed):
         Executor(database, KilledDraining()).execute([v.DrainNode("r3", "xid 79", node="n2")])  # type: ignore[arg-type]
 

@@ -94,7 +94,7 @@ def test_0006_retires_denylisted_names_that_are_no_node_names_and_keeps_them(
     """Issue 14, item 5: entries written before names were checked end (removed_at set, the
     reason kept with why); valid and already-ended entries stay as they were; downgrading
     brings them back."""
-    database.downgrade("0004")
+    database.downgrade("0005")
     ended = datetime(2026, 11, 1, tzinfo=UTC)
     with database.session() as s:
         for node, removed_at in (
@@ -120,7 +120,7 @@ def test_0006_retires_denylisted_names_that_are_no_node_names_and_keeps_them(
     assert rows["n7"] == (None, "slurmft: Xid 79")
     assert rows["n[8]"] == (ended, "slurmft: Xid 79")
 
-    database.downgrade("0004")
+    database.downgrade("0005")
     with database.session() as s:
         active = s.scalars(select(DenylistEntry).where(DenylistEntry.removed_at.is_(None)))
         assert {e.reason for e in active} == {"slurmft: Xid 79"}

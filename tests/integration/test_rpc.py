@@ -201,3 +201,109 @@ def test_members_of_the_admin_group_see_and_cancel_every_run_and_no_one_else_doe
         kept = s.get(Run, "alices")
         assert cancelled is not None and cancelled.cancel_requested_at is not None
         assert kept is not None and kept.cancel_requested_at is None
+
+
+def _run_ids(database: Database) -> set[str]:
+    with database.session() as s:
+        return {run.id for run in s.query(Run)}
+
+
+@pytest.mark.parametrize(
+    ("change", "needle"),
+    [
+        ({"script": ["tr\udcffain.py"]}, "bad script"),  # a non-UTF-8 byte, as Python reads it
+        ({"name": "x\n"}, "bad name"),
+        ({"time_limit": "60\n"}, "bad time_limit"),
+        ({"nodes": 10**30}, "bad nodes"),
+        ({"env": {"A": "\x00"}}, "bad env"),
+    ],
+)
+def test_the_daemon_refuses_a_hostile_spec_and_creates_no_run(
+    socket_path: Path, database: Database, change: dict[str, Any], needle: str
+) -> None:
+    """Issue 14 item 15, the daemon's side: a client that skips the CLI's checks gets the
+    spec error (not "internal error"), and no run is left pending."""
+    before = _run_ids(database)
+    spec = {"name": "x", "nodes": 1, "script": ["train.py"], "ckpt_dir": "/shared/x", **change}
+    error = call_error(socket_path, "create_run", spec=spec)
+    assert needle in error and "internal error" not in error
+    assert _run_ids(database) == before
+
+
+@pytest.mark.parametrize("named", [["--name", "llama"], []])
+def test_submit_with_a_non_utf8_argument_is_one_clear_line_and_no_run(  # noqa: PLR0917 (fixtures)
+    named: list[str],
+    socket_path: Path,
+    database: Database,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Issue 14 item 15: `slurmft submit -- $'tr\\xffain.py'` printed a traceback and left the
+    run pending for ever; it is refused before any run is created."""
+    from slurmft.cli import main, submit_cmd
+
+    def never(*_: object) -> None:
+        raise AssertionError("nothing may reach Slurm")
+
+    monkeypatch.setattr(submit_cmd, "_submit_job", never)
+    monkeypatch.setenv("SLURMFT_PATHS_RUNTIME_DIR", str(socket_path.parent))
+    before = _run_ids(database)
+    argv = ["submit", "--nodes", "1", "--ckpt-dir", str(tmp_path), *named, "--", "tr\udcffain.py"]
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    err = capsys.readouterr().err
+    assert info.value.code == 2
+    assert err.startswith("slurmft: error: bad script: 'tr\\udcffain.py' is not valid UTF-8")
+    assert "Traceback" not in err and err.count("\n") == 1
+    assert _run_ids(database) == before
+
+
+def test_a_submission_that_fails_unexpectedly_leaves_no_pending_run(
+    socket_path: Path, database: Database, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Whatever fails between create_run and attach_job, the run is marked failed, with why."""
+    from slurmft.cli import main, submit_cmd
+    from slurmft.db.states import RunState
+
+    def broken(*_: object) -> None:
+        raise UnicodeEncodeError("utf-8", "\udcff", 0, 1, "surrogates not allowed")
+
+    monkeypatch.setattr(submit_cmd, "_submit_job", broken)
+    monkeypatch.setenv("SLURMFT_PATHS_RUNTIME_DIR", str(socket_path.parent))
+    before = _run_ids(database)
+    with pytest.raises(UnicodeEncodeError):
+        main(["submit", "--nodes", "1", "--ckpt-dir", str(tmp_path), "--", "train.py"])
+    (new,) = _run_ids(database) - before
+    with database.session() as s:
+        run = s.get(Run, new)
+        assert run is not None and run.state is RunState.FAILED
+        assert run.end_reason is not None and "UnicodeEncodeError" in run.end_reason
+
+
+def test_submit_into_a_linked_state_dir_is_refused_before_any_run(
+    socket_path: Path,
+    database: Database,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Issue 14 item 11: a `.slurmft` someone planted as a link is refused with what to do,
+    before the daemon creates the run and before the token is written anywhere."""
+    from slurmft.cli import main, submit_cmd
+
+    def never(*_: object) -> None:
+        raise AssertionError("nothing may reach Slurm")
+
+    monkeypatch.setattr(submit_cmd, "_submit_job", never)
+    monkeypatch.setenv("SLURMFT_PATHS_RUNTIME_DIR", str(socket_path.parent))
+    (tmp_path / "theirs").mkdir()
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / ".slurmft").symlink_to(tmp_path / "theirs")
+    before = _run_ids(database)
+    with pytest.raises(SystemExit) as info:
+        main(["submit", "--nodes", "1", "--ckpt-dir", str(tmp_path / "ckpt"), "--", "train.py"])
+    assert info.value.code == 2
+    assert "is not a directory" in capsys.readouterr().err
+    assert _run_ids(database) == before
+    assert list((tmp_path / "theirs").iterdir()) == []

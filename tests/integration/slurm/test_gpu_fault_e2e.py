@@ -15,10 +15,11 @@ import pytest
 from daemon_process import DaemonProcess
 from e2e_run import TINY, SubmittedRun, submit
 from local_cluster import Cluster
+from sqlalchemy import select
 from support.waiting import wait_for_value
 
 from slurmft.controller.rpc import call
-from slurmft.db.models import ActionKind, ActionStatus, Event, EventKind
+from slurmft.db.models import ActionKind, ActionStatus, AllocationNode, Event, EventKind, NodeRole
 from slurmft.db.records import denied_nodes
 
 pytestmark = [pytest.mark.slurm, pytest.mark.torch]
@@ -77,6 +78,11 @@ def test_xid_79_drains_the_node_and_a_spare_takes_over(
         assert victim in denied_nodes(s)
     (event,) = run.events(Event.kind == EventKind.GPU_FAULT)
     assert (event.node, event.xid, event.gpu_index) == (victim, 79, 3)
+    # Acted on as the run's own: the batch step reported its allocation, Slurm confirmed it.
+    assert event.foreign is False
+    with run.database.session() as s:
+        allocation = {n.node: n.role for n in s.scalars(select(AllocationNode))}
+    assert victim in allocation and sorted(allocation.values()).count(NodeRole.SPARE) == 1
     kinds = {a.kind: a for a in run.actions() if a.node == victim}
     assert kinds[ActionKind.DRAIN_NODE].status is ActionStatus.DONE
     assert kinds[ActionKind.AGENT_LEAVE].reason.startswith(reason)

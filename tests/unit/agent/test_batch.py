@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import subprocess
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -24,9 +25,12 @@ from slurmft.agent.batch import (
 )
 from slurmft.agent.batch_step import BatchStep
 from slurmft.core.budget import RestartBudget
-from slurmft.slurm.api import NodeInfo, SignalTarget
+from slurmft.core.exits import BatchExit
+from slurmft.core.kinds import NodeRole
+from slurmft.protocol import AgentBatch, AllocationMember, AllocationReport
+from slurmft.slurm.api import JobInfo, NodeInfo, SignalTarget
 from slurmft.slurm.commands import submit_argv
-from slurmft.slurm.states import parse_node_state
+from slurmft.slurm.states import JobState, parse_node_state
 
 GOLDEN = Path(__file__).parent / "golden" / "batch_script.sh"
 SPEC = BatchSpec(
@@ -268,3 +272,68 @@ def test_a_stopped_agent_step_leaves_no_agent_behind(
         step.kill()
         step.wait()
     assert client.sent == sent
+
+
+class AllocationSlurm:
+    """What the batch step asks Slurm for its nodes: job 7 holds n1-n4; after the first step
+    n2 is down (a --no-kill job keeps it listed until Slurm takes it away)."""
+
+    def __init__(self) -> None:
+        self.down: set[str] = set()
+
+    def job(self, job_id: str) -> JobInfo:
+        return JobInfo(job_id, JobState.RUNNING, nodes=("n1", "n2", "n3", "n4"))
+
+    def nodes(self, names: Sequence[str] = ()) -> dict[str, NodeInfo]:
+        return {
+            n: NodeInfo(n, parse_node_state("down*" if n in self.down else "allocated"))
+            for n in names
+        }
+
+
+def test_the_batch_step_reports_its_allocation_at_start_and_after_a_relaunch_elsewhere(
+    tmp_path: Path,
+) -> None:
+    slurm = AllocationSlurm()
+    reports: list[AllocationReport] = []
+    spec = dataclasses.replace(SPEC, ckpt_dir=str(tmp_path))
+    batch = BatchStep(spec, slurm, "7", "127.0.0.1", report_allocation=reports.append)  # type: ignore[arg-type]
+    steps: list[tuple[str, ...]] = []
+
+    def run_step(nodes: Sequence[str]) -> int:
+        steps.append(tuple(nodes))
+        if len(steps) == 1:
+            slurm.down.add("n2")
+            return 1  # the step failed: relaunched on the usable nodes
+        if len(steps) == 2:
+            return 1  # the same nodes again: nothing new to report
+        return 0
+
+    batch._run_step = run_step  # type: ignore[method-assign]
+    assert batch._loop() is BatchExit.FINISHED
+    assert steps == [("n1", "n2", "n3", "n4"), ("n1", "n3", "n4"), ("n1", "n3", "n4")]
+    active, spare = NodeRole.ACTIVE, NodeRole.SPARE
+    assert reports == [
+        AllocationReport(
+            "7",
+            (
+                AllocationMember("n1", active),
+                AllocationMember("n2", active),
+                AllocationMember("n3", active),
+                AllocationMember("n4", spare),
+            ),
+        ),
+        AllocationReport(
+            "7",
+            (
+                AllocationMember("n1", active),
+                AllocationMember("n3", active),
+                AllocationMember("n4", active),
+            ),
+        ),
+    ]
+    # On the wire, in the batch step's batch (the daemon checks it against Slurm).
+    batch_json = AgentBatch(
+        run_id="r", agent_id="batch-step:7-x", node="n1", seq=1, sent_at=1_700_000_000.0, allocation=reports[0]
+    ).to_json()
+    assert AgentBatch.from_json(batch_json).allocation == reports[0]

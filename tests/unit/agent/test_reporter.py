@@ -10,7 +10,15 @@ from support.fake_controller import FakeController
 from support.waiting import wait_for
 
 from slurmft.agent.reporter import HttpTransport, ReportBuffer, Reporter, backoff_s
-from slurmft.protocol import MAX_BATCH_EVENTS, AgentEvent, Command, RankHeartbeat, RankStepTime
+from slurmft.protocol import (
+    MAX_BATCH_EVENTS,
+    AgentEvent,
+    AllocationMember,
+    AllocationReport,
+    Command,
+    RankHeartbeat,
+    RankStepTime,
+)
 
 
 @pytest.fixture
@@ -177,3 +185,28 @@ def test_a_batch_carries_at_most_the_events_the_daemon_takes_in_one() -> None:
         buffer.add(event(n))
     _, _, events = buffer.take(5_000)
     assert len(events) == MAX_BATCH_EVENTS and len(buffer) == 5
+
+
+def test_the_batch_steps_allocation_goes_at_once_and_alone(controller: FakeController) -> None:
+    """The batch step's reporter sends its allocation as soon as it has one (no keep-alives in
+    between: its batches are not an agent's), and the newest report wins over an unsent one."""
+    first = AllocationReport("7", (AllocationMember("n1"), AllocationMember("n2")))
+    newer = AllocationReport("7", (AllocationMember("n1"),))
+    reporter = Reporter(
+        HttpTransport(controller.url, "tok"),
+        run_id="r1",
+        node="n1",
+        on_command=lambda _: None,
+        interval_s=0.05,
+        keepalive_s=float("inf"),
+        agent_id="batch-step:7-abc",
+    )
+    reporter.report_allocation(first)
+    reporter.report_allocation(newer)
+    reporter.start()
+    try:
+        wait_for(lambda: controller.accepted, 10, "the allocation", interval_s=POLL_S)
+    finally:
+        reporter.stop(flush_timeout_s=1)
+    (batch,) = controller.accepted
+    assert (batch.agent_id, batch.allocation, batch.events) == ("batch-step:7-abc", newer, ())

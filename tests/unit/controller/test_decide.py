@@ -185,6 +185,16 @@ CASES = [
         [("RecordEvent", "gpu_fault@n2"), ("ExcludeNode", "n2"), ("DrainNode", "n2")],
     ),
     (
+        "Xid 79 on a node outside the run's allocation (another run's): nothing",
+        _view(_run(gpu_faults=(replace(XID79, node="n9"),))),
+        [],
+    ),
+    (
+        "a lemon outside the run's allocation: nothing",
+        _view(_run(gpu_faults=(replace(XID13, node="n9"),)), xid_history=_xids("n9", "r1", "r0")),
+        [],
+    ),
+    (
         "Xid 79 with drains of GPU faults switched off: exclude from the run only",
         _view(_run(gpu_faults=(XID79,))),
         [("RecordEvent", "gpu_fault@n2"), ("ExcludeNode", "n2")],
@@ -284,6 +294,14 @@ CASES = [
         "straggler in its third window: drained too",
         _view(_run(compute=_compute(1)), straggler_windows={"n2": 2}),
         [("RecordEvent", "straggler@n2"), ("ExcludeNode", "n2"), ("DrainNode", "n2")],
+    ),
+    (
+        "a straggler on a node outside the run's allocation (its heartbeats said so): nothing",
+        _view(
+            _run(compute=_compute(1), nodes=_nodes()[:1] + _nodes()[2:]),
+            straggler_windows={"n2": 2},
+        ),
+        [],
     ),
     (
         "straggler without a spare: recorded, kept (slow beats smaller)",

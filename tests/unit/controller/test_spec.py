@@ -68,3 +68,34 @@ def test_from_toml(tmp_path: Path) -> None:
     path.write_text('name = "x"\n')
     with pytest.raises(SpecError, match=r"missing 2 required .*'nodes' and 'ckpt_dir'"):
         RunSpec.from_toml(path)
+
+
+@pytest.mark.parametrize(
+    ("change", "needle"),
+    [
+        # `$` matches before a final newline: these passed and broke the table output.
+        ({"name": "llama\n"}, "bad name: 'llama\\n'"),
+        ({"time_limit": "60\n"}, "bad time_limit: '60\\n'"),
+        ({"time_limit": "1:00:00\n"}, "bad time_limit"),
+        ({"time_limit": "\uff11\uff12"}, "bad time_limit"),  # full-width digits are \d too
+        # A byte that is not UTF-8 in an argument reaches Python as a lone surrogate.
+        ({"script": ["tr\udcffain.py"]}, "bad script: 'tr\\udcffain.py' is not valid UTF-8"),
+        ({"ckpt_dir": "/shared/\udce9t\u00e9"}, "bad ckpt_dir"),
+        ({"env": {"NCCL_DEBUG": "WARN\udcff"}}, "bad env"),
+        ({"script": ["train.py", "a\x00b"]}, "contains a NUL"),
+        # Counts beyond any cluster: a spec error, not a database overflow.
+        ({"nodes": 10**30}, "bad nodes: a number of 100 bits"),
+        ({"nodes": 10**5000}, "bad nodes"),  # too long for str(): still a clear message
+        ({"nodes": 70_000}, "at most 65536"),
+        ({"spares": 2**63}, "bad spares"),
+        ({"nproc_per_node": 2**64}, "bad nproc_per_node"),
+        ({"save_lead_s": 10**12}, "bad save_lead_s"),
+    ],
+)
+def test_hostile_values_are_spec_errors_naming_the_field(
+    change: dict[str, object], needle: str
+) -> None:
+    with pytest.raises(SpecError) as info:
+        RunSpec.from_dict({**GOOD, **change})
+    assert needle in str(info.value)
+    assert len(str(info.value)) < 400

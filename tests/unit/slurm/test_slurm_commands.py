@@ -4,14 +4,21 @@ stay data."""
 from __future__ import annotations
 
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from slurmft.slurm import commands
 from slurmft.slurm.api import SignalTarget, SlurmBadRequest, SubmitRequest
+from slurmft.slurm.names import check_node_name
 from slurmft.slurm.script import (
+    check_job_name,
+    check_partition,
     check_reason,
+    check_signal_name,
+    check_signal_spec,
+    check_time_limit,
     comment_for_run,
     job_name_for,
     render_batch_script,
@@ -165,6 +172,30 @@ def test_names_and_comments() -> None:
     assert run_id_from_comment("slurmft-run:run-1") == "run-1"
     assert run_id_from_comment("someone else's comment") is None
     assert check_reason("  padded  ") == "padded"
+
+
+@pytest.mark.parametrize(
+    ("check", "good"),
+    [
+        (check_job_name, "slurmft-demo"),
+        (check_node_name, "n1"),
+        (check_partition, "gpu"),
+        (check_signal_name, "USR1"),
+        (check_signal_spec, "B:USR1@300"),
+        (check_time_limit, "1:00:00"),
+        (comment_for_run, "run-1"),
+        (commands.check_job_id, "42"),
+    ],
+)
+def test_validators_refuse_a_trailing_newline(check: Callable[[str], str], good: str) -> None:
+    """`$` matches before a final newline: every validator matches the whole value."""
+    check(good)
+    for bad in (f"{good}\n", f"{good}\r\n"):
+        with pytest.raises(SlurmBadRequest):
+            check(bad)
+    assert run_id_from_comment("slurmft-run:run-1\n") is None
+    with pytest.raises(SlurmBadRequest):
+        check_time_limit("\uff11\uff12")  # full-width digits: `\d` without re.ASCII
 
 
 def test_batch_script_keeps_hostile_arguments_inert(tmp_path: Path) -> None:

@@ -1,0 +1,232 @@
+"""The attempt's allocation, as Slurm has it, and the judging of the run's evidence against it.
+
+The batch step reports its Slurm job and the nodes it runs the agent step on, with their roles
+(protocol.AllocationReport), under the run's token: ingest stores that as an `allocation` event,
+not judged (`foreign` NULL). Each control pass, after reconcile, judges the reports here: the
+job must be the run owner's and tagged with the run (Slurm's record, slurmft.slurm.script
+.not_the_runs_job), and be the run's latest attempt's job, or adoptable as it (an attempt whose
+job `slurmft submit` never attached). The allocation stored (`allocation_nodes`, with join and
+leave times) is the reported nodes that Slurm says the job holds: the poster's word only picks
+the roles, and which of the job's nodes the agent step runs on. A report that does not check out
+is marked foreign and refused with a daemon event saying why; nothing of it is stored.
+
+Then every agent event not judged yet is judged against its attempt's allocation, once that is
+known: naming a node outside it (or one that had left it when the event came) makes it foreign,
+and foreign evidence is never acted on (observe reads only `foreign` false). Until the
+allocation is known the evidence is held.
+
+Why here and not in ingest: checking a report asks Slurm (scontrol, a second or more when
+slurmctld is busy), and ingest answers every agent's batch every second from one group writer
+that must never wait on Slurm; the control pass asks Slurm anyway, and judges before it gathers,
+so evidence that comes with its allocation is acted on in the same pass.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import datetime
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from slurmft.db.models import AllocationNode, Attempt, Event, EventKind, NodeRole, Run
+from slurmft.db.records import record_event
+from slurmft.db.states import AttemptState
+from slurmft.slurm.api import JobInfo, SlurmClient, SlurmError, SlurmTimeout, SlurmUnreachable
+from slurmft.slurm.script import not_the_runs_job
+
+REFUSED = "allocation report refused"
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """A report checked against Slurm: the nodes to store (with roles) or why it is refused;
+    ``wait``: not judged yet (the job was requeued, reconcile has not opened the attempt)."""
+
+    members: Mapping[str, NodeRole] = field(default_factory=dict)
+    ignored: tuple[str, ...] = ()  # reported, but Slurm does not give the job these
+    refused: str | None = None
+    wait: bool = False
+
+
+def check_report(
+    job: JobInfo, claimed: Mapping[str, NodeRole], run: Run, attempt: Attempt | None
+) -> Verdict:
+    """What Slurm's record of the reported job makes of the report. Pure."""
+    problem = not_the_runs_job(job, run.id, run.owner_uid)
+    if problem is not None:
+        return Verdict(refused=problem)
+    if attempt is not None and attempt.slurm_job_id not in (None, job.job_id):
+        return Verdict(refused=f"job {job.job_id} is not the attempt's job {attempt.slurm_job_id}")
+    if attempt is not None and job.restarts > attempt.slurm_restarts:
+        return Verdict(wait=True)  # requeued since: the report is the next attempt's
+    if not job.state.holds_nodes:
+        return Verdict(refused=f"job {job.job_id} holds no nodes ({job.state.value})")
+    held = set(job.nodes)
+    members = {node: role for node, role in claimed.items() if node in held}
+    if not members:
+        return Verdict(refused=f"job {job.job_id} holds none of the reported nodes")
+    return Verdict(members=members, ignored=tuple(sorted(set(claimed) - held)))
+
+
+def judge_allocation_reports(session: Session, slurm: SlurmClient, *, now: datetime) -> None:
+    """Judge every batch step report not judged yet (one scontrol call each)."""
+    reports = session.scalars(
+        select(Event)
+        .where(
+            Event.kind == EventKind.ALLOCATION,
+            Event.source == "agent",
+            Event.foreign.is_(None),
+        )
+        .order_by(Event.id)
+    ).all()
+    for report in reports:
+        run = session.get(Run, report.run_id) if report.run_id else None
+        if run is None or run.state.is_terminal:
+            _refuse(session, report, "the run has ended")
+            continue
+        job_id, claimed = _claim(report.details)
+        if job_id is None:
+            _refuse(session, report, "the report names no job")
+            continue
+        try:
+            job = slurm.job(job_id)
+        except (SlurmUnreachable, SlurmTimeout):
+            return  # judged on a later pass
+        except SlurmError as error:  # not a job id, or no such job
+            _refuse(session, report, f"Slurm: {error}")
+            continue
+        attempt = _latest_attempt(session, run.id)
+        verdict = check_report(job, claimed, run, attempt)
+        if verdict.wait:
+            continue
+        if verdict.refused is not None:
+            _refuse(session, report, verdict.refused)
+            continue
+        attempt = _adopt(session, run, attempt, job, now)
+        _store(attempt, verdict.members, now, f"not in the batch step's report {report.id}")
+        report.attempt_id = attempt.id
+        report.foreign = False
+        report.details = {
+            **report.details,
+            "allocation": sorted(verdict.members),
+            "ignored": list(verdict.ignored),
+        }
+    session.flush()
+
+
+def judge_evidence(session: Session, run_ids: list[str]) -> None:
+    """Mark each agent event of these runs not judged yet as the run's own or foreign, where its
+    attempt's allocation is known; the rest stays held."""
+    for run_id in run_ids:
+        events = session.scalars(
+            select(Event).where(
+                Event.run_id == run_id,
+                Event.source == "agent",
+                Event.foreign.is_(None),
+                Event.kind != EventKind.ALLOCATION,
+            )
+        ).all()
+        if not events:
+            continue
+        latest = _latest_attempt(session, run_id)
+        cache: dict[int, dict[str, AllocationNode]] = {}
+        for event in events:
+            attempt_id = event.attempt_id or (latest.id if latest else None)
+            if attempt_id is None:
+                continue
+            if attempt_id not in cache:
+                cache[attempt_id] = {
+                    row.node: row
+                    for row in session.scalars(
+                        select(AllocationNode).where(AllocationNode.attempt_id == attempt_id)
+                    )
+                }
+            allocation = cache[attempt_id]
+            if not allocation:
+                continue  # not known yet: held
+            event.foreign = not _own(allocation, event)
+    session.flush()
+
+
+def _own(allocation: Mapping[str, AllocationNode], event: Event) -> bool:
+    if event.node is None:
+        return True  # names no node: nothing to act on against anyone
+    row = allocation.get(event.node)
+    if row is None:
+        return False
+    # A node that left the allocation may be someone else's by now: only what came before.
+    return row.left_at is None or event.recorded_at <= row.left_at
+
+
+def _claim(details: object) -> tuple[str | None, dict[str, NodeRole]]:
+    """The job id and {node: role} an ingested report holds (ingest wrote them: protocol-checked
+    already; a role Slurmft does not know reads as active)."""
+    if not isinstance(details, dict) or not isinstance(details.get("job_id"), str):
+        return None, {}
+    claimed: dict[str, NodeRole] = {}
+    for member in details.get("nodes") or []:
+        if isinstance(member, dict) and isinstance(member.get("node"), str):
+            role = member.get("role")
+            spare = role == NodeRole.SPARE.value
+            claimed[member["node"]] = NodeRole.SPARE if spare else NodeRole.ACTIVE
+    return details["job_id"], claimed
+
+
+def _refuse(session: Session, report: Event, reason: str) -> None:
+    report.foreign = True
+    job = report.details.get("job_id") if isinstance(report.details, dict) else None
+    record_event(
+        session,
+        EventKind.ALLOCATION,
+        f"{REFUSED}: {reason}",
+        run_id=report.run_id,
+        details={"refused": reason, "report_event_id": report.id, "job_id": job},
+    )
+
+
+def _latest_attempt(session: Session, run_id: str) -> Attempt | None:
+    return session.scalars(
+        select(Attempt).where(Attempt.run_id == run_id).order_by(Attempt.number.desc()).limit(1)
+    ).first()
+
+
+def _adopt(
+    session: Session, run: Run, attempt: Attempt | None, job: JobInfo, now: datetime
+) -> Attempt:
+    """The attempt the checked job is: the latest, given the job id if it had none (the
+    client's attach never came); a first attempt when the run has none."""
+    if attempt is None:
+        attempt = Attempt(
+            run_id=run.id,
+            number=1,
+            slurm_job_id=job.job_id,
+            slurm_restarts=job.restarts,
+            state=AttemptState.SUBMITTED,
+            submitted_at=now,
+        )
+        session.add(attempt)
+        session.flush()
+    elif attempt.slurm_job_id is None:
+        attempt.slurm_job_id = job.job_id
+    return attempt
+
+
+def _store(
+    attempt: Attempt, members: Mapping[str, NodeRole], now: datetime, left_reason: str
+) -> None:
+    """The allocation becomes ``members``: new nodes join, nodes no longer in it leave (kept,
+    with when and why), a node that comes back joins again."""
+    rows = {row.node: row for row in attempt.nodes}
+    for node, row in rows.items():
+        if node not in members and row.left_at is None:
+            row.left_at, row.left_reason = now, left_reason
+    for node, role in members.items():
+        known = rows.get(node)
+        if known is None:
+            attempt.nodes.append(AllocationNode(node=node, role=role, joined_at=now))
+            continue
+        if known.left_at is not None:
+            known.joined_at, known.left_at, known.left_reason = now, None, None
+        known.role = role
