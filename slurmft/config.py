@@ -396,6 +396,37 @@ class DaemonSection(Section):
         "the daemon). Keep it above the Slurm calls of one slow pass (slurm.command_timeout_s).",
         minimum=2,
     )
+    max_active_runs_per_user: int = setting_field(
+        50,
+        "Runs one user may have pending or running at once; `slurmft submit` past it is "
+        "refused, naming this setting. Root and the users in daemon.quota_exempt_users are "
+        "exempt. 0: no quota.",
+        minimum=0,
+    )
+    quota_exempt_users: str = setting_field(
+        "",
+        "Comma-separated user names exempt from daemon.max_active_runs_per_user (a site's test "
+        "or CI accounts, whose test runs come in numbers).",
+    )
+    ingest_batches_per_run_s: float = setting_field(
+        4096.0,
+        "Agent batches one run may post per second (a token bucket per run; past it the agent "
+        "is answered 429 and retries later, losing nothing). The default is twice what a run "
+        "of 2,048 agents posting once a second sends. 0: no limit.",
+        minimum=0.0,
+    )
+    ingest_events_per_run_s: float = setting_field(
+        1000.0,
+        "Agent events (failures, hangs, checkpoints: what actions are decided on) one run may "
+        "post per second, beyond the burst. 0: no limit.",
+        minimum=0.0,
+    )
+    ingest_burst_s: float = setting_field(
+        10.0,
+        "How many seconds' worth of the two ingest rates a run may post at once (a whole run "
+        "reporting a failure together).",
+        minimum=1.0,
+    )
 
 
 class NotifySection(Section):

@@ -20,7 +20,9 @@ ranks, 0.33 s against 0.008 s).
 from __future__ import annotations
 
 import json
+import math
 import re
+from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Annotated, Any, TypeVar
@@ -36,7 +38,27 @@ TIME_PATH = "/v1/time"
 CONTENT_TYPE = "application/json"
 # Bounds that keep one batch cheap to parse and store; an agent splits larger backlogs.
 MAX_BATCH_ITEMS = 20_000
+MAX_BATCH_EVENTS = 1_000  # events become actions: more in one batch are refused one by one
 MAX_BODY_BYTES = 8 * 1024 * 1024
+# Bounds on the fields (checked by `check_batch`, see "Bounds" in docs/agent.md). Every number
+# fits the store's columns (int32 for ranks and steps on PostgreSQL, int64 for sequences), and a
+# sequence number stays far from int64's end, so no batch can push a cursor where later batches
+# would all read as resends.
+MAX_SEQ = 2**62  # exclusive
+MAX_WORLD_SIZE = 2**20  # ranks are in [0, MAX_WORLD_SIZE)
+INT32 = 2**31  # steps, pids, restart counts, Xids, GPU indices: in (-INT32, INT32)
+EARLIEST_TIME = 1_577_836_800.0  # 2020-01-01: a time before it is a broken clock, not a report
+LATEST_TIME = 4_102_444_800.0  # 2100-01-01; the daemon also refuses times MAX_AHEAD_S ahead
+MAX_AHEAD_S = 86_400.0
+MAX_RUN_ID = 32  # characters, as the store's columns
+MAX_AGENT_ID = 64
+MAX_NODE = 128
+MAX_PHASE = 32
+MAX_PEER_GROUP = 64
+MAX_MESSAGE = 65_536
+MAX_DETAILS_DEPTH = 16
+MAX_DETAILS_SIZE = 1024 * 1024  # characters of strings, plus 8 per value
+ITEM_LISTS = ("heartbeats", "step_times", "events")
 # The batch step reports its allocation through a reporter of its own; its agent id starts so.
 BATCH_STEP_AGENT = "batch-step:"
 
@@ -142,16 +164,54 @@ class AgentBatch(_Payload, frozen=True):
 
     @classmethod
     def from_json(cls, payload: bytes | str) -> AgentBatch:
+        """The batch as decoded, with its header's bounds checked (`check_header`). Raises
+        ProtocolError for a batch refused whole, ItemsRefused when only some items are not of
+        the wire's types (the bounds of the others are checked by `check_batch`)."""
         if len(payload) > MAX_BODY_BYTES:
             raise ProtocolError(f"batch is {len(payload)} bytes, over {MAX_BODY_BYTES}")
-        batch = _decode(cls, payload, "batch")
-        items = len(batch.heartbeats) + len(batch.step_times) + len(batch.events)
-        items += len(batch.allocation.nodes) if batch.allocation else 0
-        if items > MAX_BATCH_ITEMS:
-            raise ProtocolError(f"batch holds {items} items, over {MAX_BATCH_ITEMS}")
-        if batch.seq < 1:
-            raise ProtocolError(f"batch.seq: must be at least 1, got {batch.seq}")
+        try:
+            batch = _decode(cls, payload, "batch")
+        except ProtocolError as error:
+            raise _mistyped_items(payload) or error from None
+        check_header(batch)
         return batch
+
+
+class ItemRefusal(_Record, frozen=True):
+    """One item of a batch that the daemon will never take: ``items`` names the list
+    (heartbeats, step_times, events), ``index`` its place there."""
+
+    items: str
+    index: int
+    reason: str
+
+
+class RefusedItems(_Payload, frozen=True):
+    """The answer (HTTP 422) to a batch with invalid items: nothing of the batch was stored. The
+    agent drops exactly these items and sends the rest again under the same ``seq``."""
+
+    error: str
+    refused: tuple[ItemRefusal, ...]
+
+    @classmethod
+    def from_json(cls, payload: bytes | str) -> RefusedItems:
+        return _decode(cls, payload, "refusal")
+
+
+class ItemsRefused(ProtocolError):
+    """Some items of a batch are invalid (the others are not the reason it is refused)."""
+
+    def __init__(self, refused: Sequence[ItemRefusal]) -> None:
+        first = refused[0]
+        more = f" and {len(refused) - 1} more" if len(refused) > 1 else ""
+        super().__init__(
+            f"{len(refused)} item(s) refused, nothing stored: {first.reason}{more}; send the "
+            "batch again without them"
+        )
+        self.refused = tuple(refused)
+
+    def reply(self) -> RefusedItems:
+        return RefusedItems(error=str(self), refused=self.refused)
 
 
 class Command(_Record, frozen=True):
@@ -208,6 +268,8 @@ def _decode(cls: type[T], payload: bytes | str, where: str) -> T:
         decoded: T = decoder.decode(payload)  # the decoder made for cls
     except msgspec.DecodeError as error:  # ValidationError is a DecodeError
         raise _field_error(str(error), where) from None
+    except RecursionError:  # JSON nested deeper than the interpreter's stack
+        raise ProtocolError(f"{where}: nested too deep to read") from None
     return decoded
 
 
@@ -216,6 +278,8 @@ def _check_version(payload: bytes | str) -> None:
     release gets that answer, not a complaint about the first field that changed."""
     try:
         version = _VERSION.decode(payload).v
+    except RecursionError:  # JSON nested deeper than the interpreter's stack
+        raise ProtocolError("nested too deep to read") from None
     except msgspec.ValidationError as error:
         raise ProtocolError(f"expected a JSON object, {str(error).split(', ', 1)[-1]}") from None
     except msgspec.DecodeError as error:
@@ -239,3 +303,278 @@ def _field_error(message: str, where: str) -> ProtocolError:
     if field["how"] == "missing required":
         return ProtocolError(f"{path}.{field['name']}: missing")
     return ProtocolError(f"{path}: unknown field {field['name']!r}")
+
+
+# --- bounds ------------------------------------------------------------------------------------
+#
+# Granularity: a batch whose header (run_id, agent_id, node, seq, sent_at, the item counts) is
+# wrong is refused whole (ProtocolError: HTTP 400, the agent drops it). An item that is wrong is
+# refused alone (ItemsRefused: HTTP 422 naming it; nothing of the batch is stored, and the
+# agent sends the rest again), so one bad event never costs the good heartbeats beside it.
+
+
+def check_header(batch: AgentBatch, now: float | None = None) -> None:
+    """Refuse (ProtocolError) a batch whose header is out of bounds. ``now`` (the daemon's
+    clock) also bounds how far ahead ``sent_at`` may be."""
+    items = len(batch.heartbeats) + len(batch.step_times) + len(batch.events)
+    if batch.allocation is not None:
+        items += len(batch.allocation.nodes)
+        problem = _text("job_id", batch.allocation.job_id, 32, empty=False) or next(
+            (
+                problem
+                for member in batch.allocation.nodes
+                if (problem := _text("node", member.node, MAX_NODE, empty=False)) is not None
+            ),
+            None,
+        )
+        if problem is not None:
+            raise ProtocolError(f"batch.allocation.{problem}")
+    _check_header(batch, items, _latest(now))
+
+
+def _check_header(batch: AgentBatch | _LooseBatch, items: int, latest: float) -> None:
+    problem = (
+        _text("run_id", batch.run_id, MAX_RUN_ID, empty=False)
+        or _text("agent_id", batch.agent_id, MAX_AGENT_ID, empty=False)
+        or _text("node", batch.node, MAX_NODE, empty=False)
+        or _whole("seq", batch.seq, 1, MAX_SEQ)
+        or _time("sent_at", batch.sent_at, latest)
+    )
+    if problem is None and items > MAX_BATCH_ITEMS:
+        problem = f"holds {items} items, over {MAX_BATCH_ITEMS}: split it"
+    if problem is not None:
+        raise ProtocolError(f"batch.{problem}")
+
+
+def check_batch(batch: AgentBatch, now: float | None = None) -> None:
+    """Refuse a batch out of bounds: whole (ProtocolError), or the items that are
+    (ItemsRefused). What the daemon checks before it stores anything of a batch."""
+    check_header(batch, now)
+    refused = item_refusals(batch, now)
+    if refused:
+        raise ItemsRefused(refused)
+
+
+def item_refusals(batch: AgentBatch, now: float | None = None) -> list[ItemRefusal]:
+    latest = _latest(now)
+    refused: list[ItemRefusal] = []
+    for items, problem_of in _ITEM_CHECKS.items():
+        if items == "heartbeats" and _heartbeats_fine(batch.heartbeats, latest):
+            continue  # the common case, checked in one pass
+        if items == "step_times" and _step_times_fine(batch.step_times, latest):
+            continue
+        for index, item in enumerate(getattr(batch, items)):
+            problem = problem_of(item, latest)
+            if problem is not None:
+                reason = f"batch.{items}[{index}].{problem}"
+            elif items == "events" and index >= MAX_BATCH_EVENTS:
+                reason = f"batch.events[{index}]: over the {MAX_BATCH_EVENTS} events of one batch"
+            else:
+                continue
+            refused.append(ItemRefusal(items, index, reason))
+    return refused
+
+
+def _heartbeats_fine(heartbeats: Sequence[RankHeartbeat], latest: float) -> bool:
+    """Whether every heartbeat is within bounds: `_heartbeat_problem`'s checks in one pass (a
+    third of the cost), without saying which failed."""
+    big = 1.7e308
+    return all(
+        0 <= h.rank < MAX_WORLD_SIZE
+        and 0 <= h.local_rank < MAX_WORLD_SIZE
+        and -INT32 < h.step < INT32
+        and EARLIEST_TIME <= h.sent_at <= latest
+        and -big <= h.progress_age_s <= big
+        and -big <= h.deadline_s <= big
+        and 0 <= h.restart_count < INT32
+        and 0 <= h.pid < INT32
+        and len(h.phase) <= MAX_PHASE
+        and "\x00" not in h.phase
+        for h in heartbeats
+    )
+
+
+def _step_times_fine(step_times: Sequence[RankStepTime], latest: float) -> bool:
+    """As `_heartbeats_fine`, for `_step_time_problem`."""
+    big = 1.7e308
+    return all(
+        0 <= t.rank < MAX_WORLD_SIZE
+        and -INT32 < t.step < INT32
+        and EARLIEST_TIME <= t.ended_at <= latest
+        and -big <= t.compute_s <= big
+        and -big <= t.wait_s <= big
+        and len(t.peer_group) <= MAX_PEER_GROUP
+        and "\x00" not in t.peer_group
+        for t in step_times
+    )
+
+
+def _latest(now: float | None) -> float:
+    return LATEST_TIME if now is None else min(LATEST_TIME, now + MAX_AHEAD_S)
+
+
+def _heartbeat_problem(hb: RankHeartbeat, latest: float) -> str | None:
+    return (
+        _whole("rank", hb.rank, 0, MAX_WORLD_SIZE)
+        or _whole("local_rank", hb.local_rank, 0, MAX_WORLD_SIZE)
+        or _text("phase", hb.phase, MAX_PHASE)
+        or _whole("step", hb.step, 1 - INT32, INT32)
+        or _number("progress_age_s", hb.progress_age_s)
+        or _number("deadline_s", hb.deadline_s)
+        or _time("sent_at", hb.sent_at, latest)
+        or _whole("restart_count", hb.restart_count, 0, INT32)
+        or _whole("pid", hb.pid, 0, INT32)
+    )
+
+
+def _step_time_problem(st: RankStepTime, latest: float) -> str | None:
+    return (
+        _whole("rank", st.rank, 0, MAX_WORLD_SIZE)
+        or _whole("step", st.step, 1 - INT32, INT32)
+        or _number("compute_s", st.compute_s)
+        or _number("wait_s", st.wait_s)
+        or _time("ended_at", st.ended_at, latest)
+        or _text("peer_group", st.peer_group, MAX_PEER_GROUP)
+    )
+
+
+def _event_problem(event: AgentEvent, latest: float) -> str | None:
+    return (
+        _time("occurred_at", event.occurred_at, latest)
+        or _text("message", event.message, MAX_MESSAGE)
+        or (None if event.rank is None else _whole("rank", event.rank, 0, MAX_WORLD_SIZE))
+        or _details_problem(event.details)
+    )
+
+
+def _whole(name: str, value: int, low: int, high: int) -> str | None:
+    """None when ``low <= value < high``."""
+    if low <= value < high:
+        return None
+    return f"{name}: {value} is not in [{low}, {high})"
+
+
+def _number(name: str, value: float) -> str | None:
+    return None if -1.7e308 <= value <= 1.7e308 else f"{name}: {value} is not a finite number"
+
+
+def _time(name: str, value: float, latest: float) -> str | None:
+    if EARLIEST_TIME <= value <= latest:
+        return None
+    return (
+        f"{name}: {value} is not a Unix time between 2020 and a day ahead of the daemon's "
+        f"clock ({latest:.0f})"
+    )
+
+
+def _text(name: str, value: str, longest: int, *, empty: bool = True) -> str | None:
+    if len(value) > longest:
+        return f"{name}: {len(value)} characters, over {longest}"
+    if "\x00" in value:
+        return f"{name}: holds a NUL character"
+    if not empty and not value:
+        return f"{name}: empty"
+    return None
+
+
+def _details_problem(details: dict[str, Any]) -> str | None:
+    """Event details are free JSON, bounded: depth, size, no NUL, finite numbers, integers in
+    int64 (and the Xid and GPU index the store keeps as columns in int32)."""
+    for key in ("xid", "gpu_index"):
+        value = details.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and not 0 <= value < INT32:
+            return f"details.{key}: {value} is not in [0, {INT32})"
+    size = 0
+    pending: list[tuple[object, int]] = [(details, 1)]
+    while pending:
+        value, depth = pending.pop()
+        size += 8
+        if isinstance(value, dict | list | tuple):
+            if depth > MAX_DETAILS_DEPTH:
+                return f"details: nested deeper than {MAX_DETAILS_DEPTH}"
+            if isinstance(value, dict):
+                for key in value:
+                    if not isinstance(key, str) or "\x00" in key:
+                        return "details: a key that is not text or holds a NUL character"
+                    size += len(key)
+                pending.extend((inner, depth + 1) for inner in value.values())
+            else:
+                pending.extend((inner, depth + 1) for inner in value)
+        else:
+            problem = _scalar_problem(value)
+            if problem is not None:
+                return f"details: {problem}"
+            size += len(value) if isinstance(value, str) else 0
+        if size > MAX_DETAILS_SIZE:
+            return f"details: over {MAX_DETAILS_SIZE} characters"
+    return None
+
+
+def _scalar_problem(value: object) -> str | None:
+    if isinstance(value, str):
+        return "a value holds a NUL character" if "\x00" in value else None
+    if isinstance(value, float):
+        return None if math.isfinite(value) else f"{value} is not a finite number"
+    if isinstance(value, int):  # bool too: in range
+        return None if -(2**63) <= value < 2**63 else "an integer out of the int64 range"
+    return None if value is None else f"a value of type {type(value).__name__}"
+
+
+_ITEM_CHECKS: dict[str, Callable[[Any, float], str | None]] = {
+    "heartbeats": _heartbeat_problem,
+    "step_times": _step_time_problem,
+    "events": _event_problem,
+}
+
+
+class _LooseBatch(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A batch whose items are kept undecoded: to tell which of them are of the wrong types."""
+
+    v: int
+    run_id: str
+    agent_id: str
+    node: str
+    seq: int
+    sent_at: Finite
+    heartbeats: tuple[msgspec.Raw, ...] = ()
+    step_times: tuple[msgspec.Raw, ...] = ()
+    events: tuple[msgspec.Raw, ...] = ()
+    allocation: msgspec.Raw | None = None  # checked whole with the header (check_header)
+
+
+_LOOSE = msgspec.json.Decoder(_LooseBatch)
+_ITEM_DECODERS: dict[str, msgspec.json.Decoder[Any]] = {
+    "heartbeats": msgspec.json.Decoder(RankHeartbeat),
+    "step_times": msgspec.json.Decoder(RankStepTime),
+    "events": msgspec.json.Decoder(AgentEvent),
+}
+
+
+def _mistyped_items(payload: bytes | str) -> ItemsRefused | None:
+    """When a batch failed to decode only because some items are of the wrong types: those
+    items (and any other item out of bounds). None when the batch is wrong as a whole."""
+    try:
+        loose = _LOOSE.decode(payload)
+    except (msgspec.DecodeError, RecursionError):
+        return None
+    if loose.v != PROTOCOL_VERSION:
+        return None
+    lists = [getattr(loose, items) for items in ITEM_LISTS]
+    _check_header(loose, sum(map(len, lists)), LATEST_TIME)
+    refused: list[ItemRefusal] = []
+    for items, raws in zip(ITEM_LISTS, lists, strict=True):
+        decoder = _ITEM_DECODERS[items]
+        for index, raw in enumerate(raws):
+            try:
+                item = decoder.decode(raw)
+            except msgspec.DecodeError as error:
+                reason = str(_field_error(str(error), f"batch.{items}[{index}]"))
+            except RecursionError:
+                reason = f"batch.{items}[{index}]: nested too deep to read"
+            else:
+                problem = _ITEM_CHECKS[items](item, LATEST_TIME)
+                if problem is None:
+                    continue
+                reason = f"batch.{items}[{index}].{problem}"
+            refused.append(ItemRefusal(items, index, reason))
+    return ItemsRefused(refused) if refused else None

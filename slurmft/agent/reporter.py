@@ -6,7 +6,11 @@ next sequence number. A batch that fails with a network error or a 5xx is resent
 nothing and ingest can drop duplicates. Meanwhile new reports wait in a bounded buffer: when it
 is full the oldest heartbeats go first (the next heartbeat supersedes them), then the oldest step
 times; events are never dropped. A 4xx reply means the controller will never take that batch
-(bad token, malformed): it is logged and dropped, not retried forever.
+(bad token, malformed): it is logged and dropped, not retried forever; but a 422 that names
+some items (out of bounds: an event time far ahead, a NUL in a message) drops exactly those, and
+the rest of the batch is sent again under the same seq (the daemon stored none of it), so one bad
+event never costs the good heartbeats beside it. 408 and 429 (over the run's ingest rate) are
+retried like a 5xx.
 
 An agent with nothing to report (a spare, or a node whose workers froze) still sends an empty
 batch every `keepalive_s`: commands ride on the replies, and the controller tells a live agent
@@ -24,23 +28,30 @@ import urllib.error
 import urllib.request
 import uuid
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
+
+import msgspec
 
 from slurmft.config import AgentSection
 from slurmft.protocol import (
     BATCH_PATH,
     CONTENT_TYPE,
+    ITEM_LISTS,
+    MAX_BATCH_EVENTS,
+    MAX_BODY_BYTES,
     TIME_PATH,
     AgentBatch,
     AgentEvent,
     AllocationReport,
     BatchReply,
     Command,
+    ItemRefusal,
     ProtocolError,
     RankHeartbeat,
     RankStepTime,
+    RefusedItems,
     TimeReply,
 )
 
@@ -53,6 +64,14 @@ class RetryableError(Exception):
 
 class RejectedError(Exception):
     """The controller refused the batch (4xx): resending it cannot help."""
+
+
+class ItemsRejectedError(RejectedError):
+    """The controller refused some items of the batch (422) and stored none of it."""
+
+    def __init__(self, message: str, refused: tuple[ItemRefusal, ...]) -> None:
+        super().__init__(message)
+        self.refused = refused
 
 
 class CertificateError(RetryableError):
@@ -86,7 +105,15 @@ class HttpTransport:
             ) as response:
                 return bytes(response.read())
         except urllib.error.HTTPError as error:
-            detail = error.read()[:300].decode(errors="replace")
+            body = error.read(MAX_BODY_BYTES)
+            detail = body[:300].decode(errors="replace")
+            if error.code == 422:
+                try:
+                    refusal = RefusedItems.from_json(body)
+                except ProtocolError:
+                    pass
+                else:
+                    raise ItemsRejectedError(refusal.error, refusal.refused) from None
             if 400 <= error.code < 500 and error.code not in (408, 429):
                 raise RejectedError(f"HTTP {error.code}: {detail}") from None
             raise RetryableError(f"HTTP {error.code}: {detail}") from None
@@ -121,6 +148,7 @@ class BufferCounters:
     dropped_heartbeats: int = 0
     dropped_step_times: int = 0
     rejected_batches: int = 0
+    refused_items: int = 0  # dropped alone, the rest of their batch sent again
     sent_batches: int = 0
     send_failures: int = 0
 
@@ -159,8 +187,9 @@ class ReportBuffer:
                 return  # only events left: they are kept whatever the bound
 
     def take(self, limit: int) -> tuple[list[RankHeartbeat], list[RankStepTime], list[AgentEvent]]:
-        """Up to `limit` records, events first (they matter most)."""
-        events = _pop(self.events, limit)
+        """Up to `limit` records, events first (they matter most), at most MAX_BATCH_EVENTS
+        of them (the daemon refuses more in one batch)."""
+        events = _pop(self.events, min(limit, MAX_BATCH_EVENTS))
         step_times = _pop(self.step_times, limit - len(events))
         heartbeats = _pop(self.heartbeats, limit - len(events) - len(step_times))
         return heartbeats, step_times, events
@@ -171,6 +200,26 @@ T = TypeVar("T")
 
 def _pop(queue: deque[T], limit: int) -> list[T]:
     return [queue.popleft() for _ in range(min(limit, len(queue)))]
+
+
+def _items(batch: AgentBatch) -> int:
+    return len(batch.heartbeats) + len(batch.step_times) + len(batch.events)
+
+
+def without_items(batch: AgentBatch, refused: Sequence[ItemRefusal]) -> AgentBatch | None:
+    """The batch less the refused items; None when the refusal names none of its items (then
+    the whole batch is dropped, so a refusal can never make an agent loop)."""
+    named: dict[str, set[int]] = {items: set() for items in ITEM_LISTS}
+    for item in refused:
+        if item.items in named and 0 <= item.index < len(getattr(batch, item.items)):
+            named[item.items].add(item.index)
+    if not any(named.values()):
+        return None
+    kept = {
+        items: tuple(x for i, x in enumerate(getattr(batch, items)) if i not in named[items])
+        for items in ITEM_LISTS
+    }
+    return msgspec.structs.replace(batch, **kept)
 
 
 def backoff_s(failures: int, base_s: float = 0.5, cap_s: float = 30.0) -> float:
@@ -203,7 +252,9 @@ class Reporter:
         self.agent_id = agent_id or f"{node}-{uuid.uuid4().hex[:12]}"
         self.on_command = on_command
         self.interval_s, self.max_batch_items, self.backoff_cap_s = (
-            interval_s, max_batch_items, backoff_cap_s,
+            interval_s,
+            max_batch_items,
+            backoff_cap_s,
         )
         self.keepalive_s = keepalive_s
         self._last_batch_at = time.monotonic()
@@ -265,25 +316,51 @@ class Reporter:
         batch = self._next_batch()
         if batch is None:
             return True
-        try:
-            reply = self.transport.send_batch(batch)
-        except RetryableError as error:
-            self.failures += 1
-            self.counters.send_failures += 1
-            log.warning("controller unreachable (%s); batch %d kept, %d buffered",
-                        error, batch.seq, len(self.buffer))
-            return False
-        except RejectedError as error:
-            self.counters.rejected_batches += 1
-            log.error("controller rejected batch %d, dropped: %s", batch.seq, error)
-        else:
+        while True:
+            try:
+                reply = self.transport.send_batch(batch)
+            except RetryableError as error:
+                self.failures += 1
+                self.counters.send_failures += 1
+                log.warning(
+                    "controller unreachable (%s); batch %d kept, %d buffered",
+                    error,
+                    batch.seq,
+                    len(self.buffer),
+                )
+                return False
+            except ItemsRejectedError as error:
+                rest = without_items(batch, error.refused)
+                if rest is None:
+                    self._rejected(batch, error)
+                    break
+                dropped = _items(batch) - _items(rest)
+                self.counters.refused_items += dropped
+                log.error(
+                    "controller refused %d item(s) of batch %d, dropped them, sending "
+                    "the rest again: %s",
+                    dropped,
+                    batch.seq,
+                    error,
+                )
+                with self._lock:
+                    self.in_flight = batch = rest  # the same seq: none of it was stored
+                continue  # each round drops at least one item: this ends
+            except RejectedError as error:
+                self._rejected(batch, error)
+                break
             self.counters.sent_batches += 1
             for command in reply.commands:
                 self.on_command(command)
+            break
         self.failures = 0
         with self._lock:
             self.in_flight = None
         return True
+
+    def _rejected(self, batch: AgentBatch, error: RejectedError) -> None:
+        self.counters.rejected_batches += 1
+        log.error("controller rejected batch %d, dropped: %s", batch.seq, error)
 
     def _run(self) -> None:
         while not self._stop.is_set():

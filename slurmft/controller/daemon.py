@@ -40,6 +40,7 @@ from slurmft.controller.bounded import ServerLimits
 from slurmft.controller.decide import Policy, decide
 from slurmft.controller.health import OPS_LIMITS, LoopLiveness, OpsServer, check_health
 from slurmft.controller.http import IngestServer, server_tls
+from slurmft.controller.limits import RateLimits
 from slurmft.controller.metrics import SCHEDULER_EVENTS, DaemonMetrics, TimedRunner
 from slurmft.controller.notify import Notifier
 from slurmft.controller.observe import observe
@@ -47,7 +48,7 @@ from slurmft.controller.refusals import Refusals
 from slurmft.controller.resubmit import OwnerSubmitter
 from slurmft.controller.rpc import MAX_REQUEST_BYTES, SOCKET_NAME, RpcServer
 from slurmft.controller.step_window import StepWindows
-from slurmft.controller.user_ops import operations
+from slurmft.controller.user_ops import RunQuota, operations
 from slurmft.controller.webhook import WebhookOutbox
 from slurmft.db import Database, DatabaseUnavailable
 from slurmft.db.models import ActionStatus
@@ -284,6 +285,7 @@ class Daemon:
             tls=server_tls(daemon.ingest_tls_cert, daemon.ingest_tls_key),
             on_refusal=self.refusals.ingest_hook,
             on_connection_refused=self.refusals.connection_hook("ingest"),
+            rate_limits=RateLimits.from_settings(daemon),
         ).start()
         self._rpc = RpcServer(
             self.config.runtime_dir / SOCKET_NAME,
@@ -293,6 +295,8 @@ class Daemon:
                 controller_url=self._agents_url(),
                 admins=Admins(self.config.settings.daemon.admin_group),
                 ca_file=daemon.agents_ca_file,
+                quota=RunQuota.from_settings(daemon),
+                on_refusal=self.metrics.count_refusal,
             ),
             limits=self._limits(
                 daemon.socket_max_connections,

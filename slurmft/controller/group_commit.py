@@ -11,22 +11,27 @@ commits, and only then answers each request: an agent is acknowledged only for w
 There is no added delay: under light load a group is one batch, and groups grow by themselves
 while a commit is in progress (the classic group commit of database logs).
 
-A group that fails for any reason but an unreachable store is retried one batch at a time, so
-one bad batch is refused alone and its neighbours are stored.
+Every batch is checked (token, bounds, its run's ingest rate) before the group is written, so
+a malformed batch is refused alone and writes nothing: it never fails the group's transaction.
+A group that fails all the same (a store error nobody foresaw) for any reason but an
+unreachable store is retried one batch at a time, so one bad batch is refused alone and its
+neighbours are stored.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
 from slurmft.controller.ingest import RESTART_COMMAND_TTL, IngestRefused, ingest_batches
+from slurmft.controller.limits import AuditThrottle, IngestLimiter
 from slurmft.db import Database, DatabaseUnavailable
 from slurmft.protocol import AgentBatch, BatchReply
 
@@ -59,12 +64,20 @@ class GroupCommitter:
         sample_every: timedelta,
         max_group: int = MAX_GROUP_BATCHES,
         restart_ttl: timedelta = RESTART_COMMAND_TTL,
+        limiter: IngestLimiter | None = None,
     ) -> None:
         self.database = database
         self.clock = clock
         self.sample_every = sample_every
         self.restart_ttl = restart_ttl
         self.max_group = max_group
+        self.limiter = limiter
+        self._audit = AuditThrottle()
+        # A test hook: the writer takes a first batch, then waits here while this is clear, so
+        # a test can queue what it wants in one group behind it (`hold`).
+        self._go = threading.Event()
+        self._go.set()
+        self.holding = threading.Event()  # set while the writer waits at the hook
         self._queue: queue.SimpleQueue[_Post | object] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="slurmft-ingest-writer", daemon=True)
         self._stopped = threading.Event()
@@ -74,6 +87,7 @@ class GroupCommitter:
         self._accepting = threading.Lock()
         self.groups = 0  # committed groups, for tests and the benchmark
         self.batches = 0
+        self.fallbacks = 0  # groups that failed and were stored one batch at a time
 
     def start(self) -> GroupCommitter:
         self._thread.start()
@@ -95,6 +109,16 @@ class GroupCommitter:
                 return
             if isinstance(item, _Post):
                 item.answer.set_exception(DatabaseUnavailable("the daemon is stopping"))
+
+    @contextlib.contextmanager
+    def hold(self) -> Iterator[None]:
+        """For tests: while inside, the writer holds the first batch it takes (``holding`` is
+        then set) and writes nothing; on leaving, it takes everything queued as one group."""
+        self._go.clear()
+        try:
+            yield
+        finally:
+            self._go.set()
 
     def queued(self) -> int:
         """Batches waiting for the writer."""
@@ -122,6 +146,10 @@ class GroupCommitter:
             first = self._queue.get()
             if first is _STOP:
                 return
+            if not self._go.is_set():
+                self.holding.set()
+                self._go.wait()
+                self.holding.clear()
             group = [first]
             stop = False
             while len(group) < self.max_group:
@@ -146,6 +174,8 @@ class GroupCommitter:
                     now=self.clock(),
                     sample_every=self.sample_every,
                     restart_ttl=self.restart_ttl,
+                    limiter=self.limiter,
+                    audit=self._audit,
                 )
         except DatabaseUnavailable as error:  # every batch would fail alike: say so at once
             for post in group:
@@ -158,6 +188,7 @@ class GroupCommitter:
             log.warning(
                 "a group of %d batches failed (%s); storing them one by one", len(group), error
             )
+            self.fallbacks += 1
             for post in group:
                 self._commit([post])
             return

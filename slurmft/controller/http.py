@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import re
 import ssl
 import threading
@@ -37,6 +38,7 @@ from slurmft.controller.bounded import (
 )
 from slurmft.controller.group_commit import GroupCommitter
 from slurmft.controller.ingest import RESTART_COMMAND_TTL, IngestRefused, hash_token
+from slurmft.controller.limits import IngestLimiter, RateLimits
 from slurmft.db import Database, DatabaseUnavailable
 from slurmft.db.models import Run
 from slurmft.protocol import (
@@ -45,6 +47,7 @@ from slurmft.protocol import (
     MAX_BODY_BYTES,
     TIME_PATH,
     AgentBatch,
+    ItemsRefused,
     ProtocolError,
     TimeReply,
 )
@@ -166,9 +169,14 @@ class IngestServer:
         tls: ssl.SSLContext | None = None,
         on_refusal: RefusalSink | None = None,
         on_connection_refused: Callable[[str, Connection], None] | None = None,
+        rate_limits: RateLimits | None = None,
     ) -> None:
         self._committer = GroupCommitter(
-            database, clock=clock, sample_every=sample_every, restart_ttl=restart_ttl
+            database,
+            clock=clock,
+            sample_every=sample_every,
+            restart_ttl=restart_ttl,
+            limiter=IngestLimiter(rate_limits or RateLimits()),
         )
         handler = type(
             "Handler",
@@ -191,6 +199,11 @@ class IngestServer:
             on_refusal=on_connection_refused,
             tls=tls,
         )
+
+    @property
+    def committer(self) -> GroupCommitter:
+        """The writer the request threads hand their batches to (tests hold it: `hold`)."""
+        return self._committer
 
     @property
     def url(self) -> str:
@@ -239,7 +252,12 @@ class _Handler(BoundedHTTPHandler):
         except IngestRefused as exc:
             if isinstance(exc, _HeadRefused):
                 self.refused(exc.reason, self._caller, str(exc))
-            self._error(HTTPStatus(exc.status), str(exc))
+            if exc.items is not None:  # only some items: the agent drops them, sends the rest
+                self._reply(HTTPStatus.UNPROCESSABLE_ENTITY, exc.items.reply().to_json())
+            else:
+                self._error(HTTPStatus(exc.status), str(exc), exc.retry_after_s)
+        except ItemsRefused as exc:  # items not of the wire's types
+            self._reply(HTTPStatus.UNPROCESSABLE_ENTITY, exc.reply().to_json())
         except ProtocolError as exc:
             self._error(HTTPStatus.BAD_REQUEST, str(exc))
         except (DatabaseUnavailable, IntegrityError) as exc:
@@ -278,21 +296,23 @@ class _Handler(BoundedHTTPHandler):
         batch = AgentBatch.from_json(body)
         return self.committer.submit(batch, token).to_json()
 
-    def _reply(self, status: HTTPStatus, body: bytes) -> None:
+    def _reply(self, status: HTTPStatus, body: bytes, retry_after_s: float | None = None) -> None:
         if self.command == "POST" and self.path == BATCH_PATH:
             # Counted before the answer leaves: whoever got it then sees it on /metrics.
             self.observe(int(status), time.monotonic() - self._started)
         self.send_response(status)
+        if retry_after_s is not None:
+            self.send_header("Retry-After", str(max(1, math.ceil(retry_after_s))))
         self.send_header("Content-Type", CONTENT_TYPE)
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
         self.wfile.write(body)
 
-    def _error(self, status: HTTPStatus, message: str) -> None:
+    def _error(self, status: HTTPStatus, message: str, retry_after_s: float | None = None) -> None:
         self.close_connection = True  # an unread body must never be parsed as the next request
         # A client that is gone, or does not read, is told nothing more.
         with contextlib.suppress(OSError):
-            self._reply(status, json.dumps({"error": message}).encode())
+            self._reply(status, json.dumps({"error": message}).encode(), retry_after_s)
 
 
 def _ignore(_status: int, _seconds: float) -> None:

@@ -15,7 +15,8 @@ from __future__ import annotations
 import hashlib
 import hmac
 import secrets
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
@@ -23,6 +24,7 @@ from sqlalchemy import bindparam, or_, select
 from sqlalchemy.orm import Session
 
 from slurmft.config import PolicySection
+from slurmft.controller.limits import AuditThrottle, IngestLimiter
 from slurmft.db.ingest import (
     HeartbeatReport,
     RunReports,
@@ -42,7 +44,7 @@ from slurmft.db.models import (
     FaultClass,
     Run,
 )
-from slurmft.db.records import finish_action, record_event
+from slurmft.db.records import finish_action, plan_action, record_event
 from slurmft.errors import SlurmftError
 from slurmft.protocol import (
     AgentBatch,
@@ -51,6 +53,10 @@ from slurmft.protocol import (
     BatchReply,
     Command,
     CommandKind,
+    ItemsRefused,
+    ProtocolError,
+    check_header,
+    item_refusals,
     utc,
 )
 
@@ -91,11 +97,22 @@ def step_time_reports(batch: AgentBatch) -> list[StepTimeReport]:
 
 
 class IngestRefused(SlurmftError):
-    """The batch is refused; ``status`` is the HTTP status the agent gets."""
+    """The batch is refused; ``status`` is the HTTP status the agent gets. ``items``: the
+    refused items when only they are the reason (422); ``retry_after_s``: when to try again
+    (429)."""
 
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        items: ItemsRefused | None = None,
+        retry_after_s: float | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
+        self.items = items
+        self.retry_after_s = retry_after_s
 
 
 def new_run_token() -> tuple[str, str]:
@@ -118,6 +135,7 @@ _DENYLIST = DenylistEntry.__table__
 _RUN_STATES = select(
     _RUNS.c.id,
     _RUNS.c.token_hash,
+    _RUNS.c.owner_name,
     select(_ATTEMPTS.c.id)
     .where(_ATTEMPTS.c.run_id == _RUNS.c.id)
     .order_by(_ATTEMPTS.c.number.desc())
@@ -157,6 +175,7 @@ RESTART_COMMAND_TTL = timedelta(seconds=PolicySection.restart_command_ttl_s)
 class _RunState:
     run_id: str
     token_hash: str
+    owner_name: str
     attempt_id: int | None
 
 
@@ -167,21 +186,38 @@ def ingest_batches(
     now: datetime,
     sample_every: timedelta = timedelta(seconds=60),
     restart_ttl: timedelta = RESTART_COMMAND_TTL,
+    limiter: IngestLimiter | None = None,
+    audit: AuditThrottle | None = None,
+    monotonic: Callable[[], float] = time.monotonic,
 ) -> list[BatchReply | IngestRefused]:
     """Store the batches of many agents (each once) in this session's transaction, and answer
     each with its agent's commands, or with why it is refused (in the order of ``posts``).
 
+    Each batch is checked (token, bounds, the run's ingest rate) before anything is written,
+    so a refused batch writes nothing and never fails the group's transaction for the others.
     A constant number of statements whatever the number of batches: the daemon commits the
     batches that arrive together as one group (controller.group_commit)."""
-    runs = _run_states(session, {batch.run_id for batch, _ in posts})
-    cursors = _agent_cursors(session, posts)
+    malformed = {index: _malformed(batch, now) for index, (batch, _) in enumerate(posts)}
+    readable = [post for index, post in enumerate(posts) if malformed[index] is None]
+    runs = _run_states(session, {batch.run_id for batch, _ in readable})
+    cursors = _agent_cursors(session, readable)
     accepted: list[AgentBatch | IngestRefused] = []
     fresh: list[tuple[_RunState, AgentBatch]] = []
-    for batch, token in posts:
+    for index, (batch, token) in enumerate(posts):
+        header_refused = malformed[index]
+        if header_refused is not None:  # never compared with the store (a NUL in a key)
+            accepted.append(header_refused)
+            continue
         run = runs.get(batch.run_id)
         # The same answer for an unknown run and a wrong token: a token does not reveal run ids.
         if run is None or not hmac.compare_digest(run.token_hash, hash_token(token)):
             accepted.append(IngestRefused(403, f"token not valid for run {batch.run_id}"))
+            continue
+        refused = _refusal(
+            session, run, batch, now=now, limiter=limiter, audit=audit, now_s=monotonic()
+        )
+        if refused is not None:
+            accepted.append(refused)
             continue
         accepted.append(batch)
         last_seq = cursors.get((batch.run_id, batch.agent_id))
@@ -205,11 +241,79 @@ def ingest_batches(
     ]
 
 
+def _malformed(batch: AgentBatch, now: datetime) -> IngestRefused | None:
+    try:
+        check_header(batch, now.timestamp())
+    except ProtocolError as error:
+        return IngestRefused(400, str(error))
+    return None
+
+
+def _refusal(
+    session: Session,
+    run: _RunState,
+    batch: AgentBatch,
+    *,
+    now: datetime,
+    limiter: IngestLimiter | None,
+    audit: AuditThrottle | None,
+    now_s: float,
+) -> IngestRefused | None:
+    """Why this (authenticated) batch, its header checked, is refused, if it is: items out of
+    bounds (422), or over its run's ingest rate (429, recorded at most once a minute per run)."""
+    refused = item_refusals(batch, now.timestamp())
+    if refused:
+        items = ItemsRefused(refused)
+        return IngestRefused(422, str(items), items=items)
+    if limiter is None:
+        return None
+    wait = limiter.take(run.run_id, len(batch.events), now_s)
+    if not wait:
+        return None
+    limits = limiter.limits
+    message = (
+        f"run {run.run_id} is over its ingest rate ({limits.batches_per_s:g} batches and "
+        f"{limits.events_per_s:g} events a second, daemon.ingest_*_per_run_s): retry in "
+        f"{wait:.1f} s"
+    )
+    if audit is None or audit.due("ingest_rate", run.run_id, now_s):
+        record_refusal(
+            session,
+            f"{message} (user {run.owner_name})",
+            user=run.owner_name,
+            limit="ingest_rate",
+            run_id=run.run_id,
+            node=batch.node,
+        )
+    return IngestRefused(429, message, retry_after_s=wait)
+
+
+def record_refusal(
+    session: Session,
+    reason: str,
+    *,
+    user: str,
+    limit: str,
+    run_id: str | None = None,
+    node: str | None = None,
+) -> None:
+    """The audit row of a refusal by a quota or a rate limit: an action that names the user."""
+    action = plan_action(
+        session,
+        ActionKind.REFUSE_REQUEST,
+        reason,
+        run_id=run_id,
+        node=node,
+        evidence={"user": user, "limit": limit},
+    )
+    finish_action(action, ActionStatus.DONE)
+
+
 def _run_states(session: Session, run_ids: set[str]) -> dict[str, _RunState]:
     rows = session.execute(_RUN_STATES, {"runs": sorted(run_ids)})
     return {
-        run_id: _RunState(run_id, token_hash, attempt_id)
-        for run_id, token_hash, attempt_id in rows
+        run_id: _RunState(run_id, token_hash, owner_name, attempt_id)
+        for run_id, token_hash, owner_name, attempt_id in rows
         if token_hash is not None
     }
 

@@ -64,6 +64,16 @@ FAILURE_KINDS = (
     EventKind.BATCH_HOST_DOWN,
     EventKind.PREFLIGHT_FAILED,
 )  # the failures of docs/failure-history.md; a silent report channel is not one
+# The ingest answers that are refusals (slurmft_refusals_total's label for each).
+INGEST_REFUSALS = {
+    400: "invalid_batch",
+    401: "token",
+    403: "token",
+    411: "invalid_batch",
+    413: "too_large",
+    422: "invalid_items",
+    429: "ingest_rate",
+}
 # Seconds: from a Slurm command of a few ms to one that runs into its timeout.
 SLURM_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 DETECTION_BUCKETS = (1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 1800)
@@ -110,6 +120,15 @@ class DaemonMetrics:
             "slurmft_ingest_requests_total",
             "Agent report batches received, by HTTP status (200 accepted; else refused/error).",
             ["code"],
+            registry=r,
+        )
+        self.refusals = Counter(
+            "slurmft_refusals_total",
+            "Requests refused by a bound, a quota or a rate limit, by limit: run_quota (a "
+            "submit past daemon.max_active_runs_per_user), ingest_rate (429), invalid_items "
+            "(422: some items of a batch), invalid_batch (400), token (401/403), too_large "
+            "(413).",
+            ["limit"],
             registry=r,
         )
         self.ingest_duration = Histogram(
@@ -162,6 +181,12 @@ class DaemonMetrics:
     def observe_ingest(self, status: int, seconds: float) -> None:
         self.ingest_requests.labels(str(status)).inc()
         self.ingest_duration.observe(seconds)
+        refused = INGEST_REFUSALS.get(status)
+        if refused is not None:
+            self.count_refusal(refused)
+
+    def count_refusal(self, limit: str) -> None:
+        self.refusals.labels(limit).inc()
 
     def on_scheduler_event(self, event: JobEvent) -> None:
         """APScheduler listener (EVENT_JOB_SUBMITTED | EVENT_JOB_MISSED | _MAX_INSTANCES)."""

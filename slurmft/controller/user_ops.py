@@ -8,14 +8,18 @@ but belongs to someone else gets the same answer as one that does not exist.
 from __future__ import annotations
 
 import pwd
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
+from slurmft.config import DaemonSection
 from slurmft.controller.admins import ROOT_ONLY, Admins
-from slurmft.controller.ingest import new_run_token
+from slurmft.controller.ingest import new_run_token, record_refusal
+from slurmft.controller.limits import AuditThrottle
 from slurmft.controller.resubmit import SubmissionError, check_record
 from slurmft.controller.rpc import Operation, RpcError
 from slurmft.controller.spec import RunSpec
@@ -141,26 +145,70 @@ def _attach_job(
         return {"run_id": run.id, "attempt": number, "job_id": job_id}
 
 
-def operations(
-    database: Database,
-    *,
-    slurm: SlurmClient,
-    controller_url: str = "",
-    admins: Admins = ROOT_ONLY,
-    ca_file: str = "",
-) -> dict[str, Operation]:
-    """The daemon's user-facing operations, bound to its store, to Slurm (to check what users
-    claim about jobs), to who its admins are and, for new runs, to the URL its agents report
-    to (and the CA file they verify an https URL against)."""
+@dataclass(frozen=True)
+class RunQuota:
+    """Runs one user may have pending or running at once (0: no quota); root and ``exempt``
+    (user names) are not counted against it."""
 
-    def create_run(uid: int, args: Mapping[str, Any]) -> dict[str, Any]:
-        spec = RunSpec.from_dict(dict(args.get("spec") or {}))
-        token, digest = new_run_token()
-        with database.session() as session:
+    max_active: int = DaemonSection.max_active_runs_per_user
+    exempt: frozenset[str] = frozenset()
+
+    @classmethod
+    def from_settings(cls, daemon: DaemonSection) -> RunQuota:
+        names = (name.strip() for name in daemon.quota_exempt_users.split(","))
+        return cls(daemon.max_active_runs_per_user, frozenset(name for name in names if name))
+
+
+_ACTIVE_STATES = [state for state in RunState if not state.is_terminal]
+
+
+def _over_quota(session: Session, quota: RunQuota, uid: int, user: str) -> str | None:
+    """Why ``user`` may not have one more run, if they may not."""
+    if quota.max_active <= 0 or uid == 0 or user in quota.exempt:  # root
+        return None
+    active = session.scalar(
+        select(func.count())
+        .select_from(Run)
+        .where(Run.owner_uid == uid, Run.state.in_(_ACTIVE_STATES))
+    )
+    if (active or 0) < quota.max_active:
+        return None
+    return (
+        f"run quota: {user} has {active} runs pending or running, the most "
+        f"daemon.max_active_runs_per_user ({quota.max_active}) allows; cancel one "
+        "(`slurmft cancel RUN`) or wait for one to end"
+    )
+
+
+class _Quota:
+    """The run quota, and what it does with a refusal: counts it (a metric) and records it
+    (an action naming the user, at most once a minute per user)."""
+
+    def __init__(self, quota: RunQuota, on_refusal: Callable[[str], None]) -> None:
+        self.quota, self.on_refusal = quota, on_refusal
+        self.audit = AuditThrottle()
+
+
+def _create_run(
+    database: Database,
+    uid: int,
+    args: Mapping[str, Any],
+    agents: tuple[str, str],
+    quota: _Quota,
+) -> dict[str, Any]:
+    """A new run for ``uid``, within their quota; ``agents``: the URL its agents report to and
+    the CA file they verify it against."""
+    controller_url, ca_file = agents
+    spec = RunSpec.from_dict(dict(args.get("spec") or {}))
+    token, digest = new_run_token()
+    user = _user_name(uid)
+    with database.session() as session:
+        over = _over_quota(session, quota.quota, uid, user)
+        if over is None:
             run = Run(
                 name=spec.name,
                 owner_uid=uid,
-                owner_name=_user_name(uid),
+                owner_name=user,
                 nodes=spec.nodes,
                 spares=spec.spares,
                 command=list(spec.script),
@@ -177,6 +225,31 @@ def operations(
                 "ca_file": ca_file,
                 "exclude": sorted(denied_nodes(session)),
             }
+    quota.on_refusal("run_quota")
+    if quota.audit.due("run_quota", str(uid), time.monotonic()):
+        with database.session() as session:  # its own transaction: the refusal is kept
+            record_refusal(session, over, user=user, limit="run_quota")
+    raise RpcError(over)
+
+
+def operations(
+    database: Database,
+    *,
+    slurm: SlurmClient,
+    controller_url: str = "",
+    admins: Admins = ROOT_ONLY,
+    ca_file: str = "",
+    quota: RunQuota | None = None,
+    on_refusal: Callable[[str], None] | None = None,
+) -> dict[str, Operation]:
+    """The daemon's user-facing operations, bound to its store, to Slurm (to check what users
+    claim about jobs), to who its admins are and, for new runs, to the URL its agents report
+    to (and the CA file they verify an https URL against). ``quota`` bounds each user's runs;
+    ``on_refusal`` counts what it refuses (a metric)."""
+    run_quota = _Quota(quota or RunQuota(), on_refusal or (lambda _limit: None))
+
+    def create_run(uid: int, args: Mapping[str, Any]) -> dict[str, Any]:
+        return _create_run(database, uid, args, (controller_url, ca_file), run_quota)
 
     def attach_job(uid: int, args: Mapping[str, Any]) -> dict[str, Any]:
         return _attach_job(database, slurm, uid, args, admins)

@@ -198,3 +198,20 @@ def test_the_reporter_hands_each_command_to_the_agent(counterpart: Counterpart) 
         reporter.stop(flush_timeout_s=1)
     assert commands[0] == leave
     assert counterpart.stored() == ["event 1"]
+
+
+def test_a_bad_event_is_refused_alone_and_the_good_items_beside_it_are_stored(
+    counterpart: Counterpart,
+) -> None:
+    """Issue 14, item 16: an impossible value (an event time of 1e20) with a valid token is
+    refused with a 4xx naming the item, never a 500 the agent would retry for ever; the agent
+    drops that event alone and sends the rest of its batch again."""
+    reporter = Reporter(HttpTransport(counterpart.url, counterpart.token), run_id=RUN, node="n1",
+                        on_command=lambda c: None)  # fmt: skip
+    reporter.add(AgentEvent("restart", SENT_AT, "event 1"))
+    reporter.add(AgentEvent("restart", 1e20, "event from the far future"))
+    reporter.add(AgentEvent("restart", SENT_AT, "event 2"))
+    assert reporter.send_once() is True  # delivered: nothing left in flight, nothing retried
+    assert reporter.pending() == 0
+    assert (reporter.counters.refused_items, reporter.counters.rejected_batches) == (1, 0)
+    assert counterpart.stored() == ["event 1", "event 2"]

@@ -17,7 +17,7 @@ from slurmft.controller.group_commit import GroupCommitter
 from slurmft.controller.ingest import IngestRefused, new_run_token
 from slurmft.db import Database, DatabaseUnavailable
 from slurmft.db.models import AgentCursor, RankHeartbeat, StepTime
-from slurmft.protocol import AgentBatch, BatchReply, RankStepTime
+from slurmft.protocol import AgentBatch, AgentEvent, BatchReply, RankStepTime
 from slurmft.protocol import RankHeartbeat as WireHeartbeat
 
 NOW = datetime(2026, 11, 29, 12, tzinfo=UTC)
@@ -136,20 +136,63 @@ def test_an_unreachable_store_answers_every_waiting_agent_at_once() -> None:
         committer.submit(_batch(0), "t")
 
 
-def test_a_value_too_long_for_postgresql_is_refused_not_cut_short(
+def test_a_value_too_long_for_the_store_is_refused_not_cut_short(
     database: Database, token: str
 ) -> None:
-    """PostgreSQL refuses a node name over its varchar(128) (the bulk insert must not cut it
-    short): that batch alone is refused; SQLite has no lengths and stores it whole."""
+    """A node name over the store's varchar(128) (which the bulk insert must not cut short) is
+    refused before the group is written, on both stores: that batch alone, the group intact."""
     long_node = msgspec.structs.replace(_batch(2), node="n" * 200)
     posts = [(_batch(0), token), (_batch(1), token), (long_node, token)]
-    results = _submit_together(_committer(database), posts)
+    committer = _committer(database)
+    results = _submit_together(committer, posts)
     assert all(isinstance(r, BatchReply) for r in results[:2]), results
+    assert isinstance(results[2], IngestRefused) and results[2].status == 400, results[2]
+    assert "batch.node: 200 characters, over 128" in str(results[2])
+    assert (committer.groups, committer.fallbacks) == (1, 0)
     with database.session() as s:
-        nodes = set(s.scalars(select(RankHeartbeat.node)))
-    if database.dialect == "postgresql":
-        assert not isinstance(results[2], BatchReply)
-        assert nodes == {"n0", "n1"}
-    else:
-        assert isinstance(results[2], BatchReply)
-        assert nodes == {"n0", "n1", "n" * 200}
+        assert set(s.scalars(select(RankHeartbeat.node))) == {"n0", "n1"}
+
+
+def test_a_refused_batch_queued_with_good_ones_leaves_the_group_path_whole(
+    database: Database, token: str
+) -> None:
+    """Issue 14, item 9: malformed batches (a sequence number past int64, an event time of 1e20;
+    on PostgreSQL a NUL byte, which needs no valid token) queued with good ones while the writer
+    is held: each is refused alone, before the group is written, and the good batches are
+    stored by the group path, not by the one-transaction-per-batch fallback."""
+    huge_seq = msgspec.structs.replace(_batch(1), seq=2**63)
+    far_event = AgentEvent("restart", 1e20, "from the far future")
+    far = msgspec.structs.replace(_batch(2), events=(far_event,))
+    nul = msgspec.structs.replace(_batch(3), node="n\x003")
+    committer = _committer(database).start()
+    results: dict[int, BatchReply | Exception] = {}
+
+    def post(index: int, batch: AgentBatch, token: str) -> threading.Thread:
+        def run() -> None:
+            try:
+                results[index] = committer.submit(batch, token, timeout_s=30)
+            except Exception as error:
+                results[index] = error
+
+        thread = threading.Thread(target=run)
+        thread.start()
+        return thread
+
+    try:
+        with committer.hold():
+            threads = [post(0, _batch(0), token)]
+            wait_for(committer.holding.is_set, 10, "the writer holding batch 0", interval_s=0.01)
+            posts = [(huge_seq, token), (far, token), (nul, "no-token"), (_batch(4), token)]
+            threads += [post(i, batch, tok) for i, (batch, tok) in enumerate(posts, start=1)]
+            wait_for(lambda: committer.queued() == 4, 10, "four batches queued", interval_s=0.01)
+        for thread in threads:
+            thread.join(30)
+    finally:
+        committer.stop()
+    assert isinstance(results[0], BatchReply) and isinstance(results[4], BatchReply), results
+    refused = [results[i] for i in (1, 2, 3)]
+    assert [r.status if isinstance(r, IngestRefused) else r for r in refused] == [400, 422, 400]
+    assert (committer.groups, committer.batches, committer.fallbacks) == (1, 5, 0)
+    with database.session() as s:
+        assert set(s.scalars(select(AgentCursor.agent_id))) == {"n0-agent", "n4-agent"}
+        assert set(s.scalars(select(RankHeartbeat.node))) == {"n0", "n4"}

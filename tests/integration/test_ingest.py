@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from sqlalchemy import func, select
-from support.daemon_side import post_batch
+from support.daemon_side import post_batch, post_raw, store_state
 
 from slurmft.controller import views as v
 from slurmft.controller.act import Executor
@@ -29,6 +29,7 @@ from slurmft.db.models import (
 )
 from slurmft.db.records import EXPIRED, denylist_add, denylist_remove
 from slurmft.protocol import (
+    MAX_BATCH_EVENTS,
     MAX_BODY_BYTES,
     TIME_PATH,
     AgentBatch,
@@ -278,7 +279,7 @@ def test_garbage_never_gets_past_validation(
     database: Database, server: IngestServer, tokens: dict[str, str], body: bytes
 ) -> None:
     status, data = post_batch(server, body, tokens["r1"])
-    assert status in {400, 403}, data
+    assert status in {400, 403, 422}, data
     assert _count(database, StepTime) == 0
 
 
@@ -332,3 +333,111 @@ def test_a_planned_worker_restart_expires_and_is_never_delivered_late(
             ("n2", ActionStatus.DONE, None),
         ]
     assert EXPIRED.startswith("expired")
+
+
+def _body(seq: int = 1, **changes: object) -> dict[str, object]:
+    data: dict[str, object] = json.loads(_batch(seq).to_json())
+    data.update(changes)
+    return data
+
+
+def _nested(depth: int) -> str:
+    return '{"a":' * depth + "{}" + "}" * depth
+
+
+def _with_details(details_json: str) -> bytes:
+    """The batch with its event's details as this JSON text (too deep for json.dumps)."""
+    body = json.dumps(_body(events=[{"kind": "restart", "occurred_at": NOW, "details": {}}]))
+    return body.replace('"details": {}', f'"details": {details_json}').encode()
+
+
+_HB = json.loads(_batch().to_json())["heartbeats"][0]
+_EVENT = json.loads(_batch().to_json())["events"][0]
+
+# Issue 14, item 16: each once answered 500 (the agent retries that for ever), or was stored.
+IMPOSSIBLE = {
+    "event time 1e20": (_body(events=[{**_EVENT, "occurred_at": 1e20}]), 422),
+    "event time a week ahead": (_body(events=[{**_EVENT, "occurred_at": NOW + 7 * 86400}]), 422),
+    "rank 2**63": (_body(heartbeats=[{**_HB, "rank": 2**63}]), 422),
+    "step past int32": (
+        _body(
+            step_times=[
+                {"rank": 3, "step": 2**31, "compute_s": 0.2, "wait_s": 0.0, "ended_at": NOW}
+            ]
+        ),
+        422,
+    ),
+    "sequence 2**63": (_body(seq=2**63), 400),
+    "sequence 2**63-1": (_body(seq=2**63 - 1), 400),  # accepted, it froze the agent's cursor
+    "batch time 1e20": (_body(sent_at=1e20), 400),
+    "NUL in the node": (_body(node="n\u00002"), 400),
+    "NUL in a message": (_body(events=[{**_EVENT, "message": "a\u0000b"}]), 422),
+    "NUL in details": (_body(events=[{**_EVENT, "details": {"k": "\u0000"}}]), 422),
+    "Xid past int32": (_body(events=[{**_EVENT, "details": {"xid": 2**40}}]), 422),
+    "a node name of 200 characters": (_body(node="n" * 200), 400),
+    "details nested 100 deep": (_with_details(_nested(100)), 422),
+    "details nested 5,000 deep": (_with_details(_nested(5000)), 400),
+}
+
+
+@pytest.mark.parametrize(("body", "status"), IMPOSSIBLE.values(), ids=IMPOSSIBLE.keys())
+def test_impossible_values_with_a_valid_token_are_refused_with_a_4xx_not_a_500(
+    database: Database,
+    server: IngestServer,
+    tokens: dict[str, str],
+    body: dict[str, object] | bytes,
+    status: int,
+) -> None:
+    """Nothing of a refused batch is stored, no cursor moves, and the agent's next batches are
+    stored as before (a cursor can never be pushed where every later batch reads as a resend)."""
+    payload = body if isinstance(body, bytes) else json.dumps(body).encode()
+    before = store_state(database)
+    got, reply = post_batch(server, payload, tokens["r1"])
+    assert got == status, reply
+    if status == 422:  # the items are named, so the agent can drop exactly them
+        assert reply["refused"] and {"items", "index", "reason"} <= set(reply["refused"][0])
+    assert store_state(database) == before
+    for seq in (1, 2):
+        assert post_batch(server, _batch(seq).to_json(), tokens["r1"]) == (
+            200,
+            {
+                "acked_seq": seq,
+                "server_time": pytest.approx(time.time(), abs=60),
+                "commands": [],
+                "v": 1,
+            },
+        )
+    assert _count(database, StepTime) == 6
+
+
+def test_a_content_length_that_is_not_ascii_digits_is_refused_not_a_500(
+    server: IngestServer, tokens: dict[str, str]
+) -> None:
+    """Issue 14, item 16: "²" passes str.isdigit() and then fails int()."""
+    request = (
+        f"POST /v1/agent/batch HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {tokens['r1']}"
+        "\r\nContent-Type: application/json\r\nContent-Length: ²\r\n\r\n{}"
+    ).encode("latin-1")  # as http.server reads headers
+    status, body = post_raw(server, request)
+    assert status == 400 and b"is not a byte count" in body, body
+
+
+def test_twenty_thousand_events_in_one_batch_are_capped_and_the_excess_refused(
+    database: Database, server: IngestServer, tokens: dict[str, str]
+) -> None:
+    """Issue 14, item 10: 20,000 events in one batch must not become 20,000 actions: past
+    MAX_BATCH_EVENTS each is refused by name, and nothing of the batch is stored."""
+    events = [{**_EVENT, "message": f"event {i}"} for i in range(20_000)]
+    body = _body(heartbeats=[], step_times=[], events=events)
+    status, reply = post_batch(server, json.dumps(body).encode(), tokens["r1"])
+    assert status == 422, reply
+    refused = reply["refused"]
+    assert isinstance(refused, list) and len(refused) == 20_000 - MAX_BATCH_EVENTS
+    assert {(r["items"], r["index"]) for r in refused} == {
+        ("events", i) for i in range(MAX_BATCH_EVENTS, 20_000)
+    }
+    assert "over the 1000 events of one batch" in refused[0]["reason"]
+    assert _count(database, Event) == 0
+    kept = {**body, "events": events[:MAX_BATCH_EVENTS]}  # what the agent sends again
+    assert post_batch(server, json.dumps(kept).encode(), tokens["r1"])[0] == 200
+    assert _count(database, Event) == MAX_BATCH_EVENTS

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import http.client
 import json
+import socket
+
+from sqlalchemy import func, select
 
 from slurmft.controller.act import Executor
 from slurmft.controller.decide import count_restarts
@@ -13,7 +16,7 @@ from slurmft.controller.restarts import restart_evidence
 from slurmft.controller.views import Action, RunView
 from slurmft.core.budget import RestartBudget
 from slurmft.db import Database
-from slurmft.db.models import Run
+from slurmft.db.models import AgentCursor, Base, Run
 from slurmft.protocol import BATCH_PATH
 
 
@@ -32,6 +35,32 @@ def post_batch(
         return response.status, json.loads(response.read())
     finally:
         conn.close()
+
+
+def post_raw(server: IngestServer, request: bytes) -> tuple[int, bytes]:
+    """Send ``request`` (request line, headers and body, as bytes) to the ingest endpoint as
+    is: for what http.client would not send (a Content-Length of "²"). (status, body)."""
+    host, port = server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as conn:
+        conn.sendall(request)
+        conn.shutdown(socket.SHUT_WR)
+        reply = b""
+        while chunk := conn.recv(65536):
+            reply += chunk
+    head, _, body = reply.partition(b"\r\n\r\n")
+    return int(head.split(b" ", 2)[1]), body
+
+
+def store_state(database: Database) -> tuple[dict[str, int], dict[tuple[str, str], int]]:
+    """The row count of every table, and every agent's cursor: what a refused batch must leave
+    as it was."""
+    with database.session() as s:
+        counts = {
+            table.name: s.execute(select(func.count()).select_from(table)).scalar_one()
+            for table in Base.metadata.sorted_tables
+        }
+        cursors = {(c.run_id, c.agent_id): c.last_seq for c in s.scalars(select(AgentCursor))}
+    return counts, cursors
 
 
 def count_and_record(

@@ -9,6 +9,9 @@ tests/integration/test_daemon_contract.py runs the same assertions against both:
   with 401 before its body is read, one whose token is another run's (or whose run is unknown)
   with 403, and nothing of it is stored; without run tokens
   every batch is taken (agents under test that were given no token);
+- a batch out of the wire's bounds is refused with 400 when its header is, with 422 naming the
+  refused items (slurmft.protocol.RefusedItems) when only some items are, and nothing of it is
+  stored;
 - every reply carries the commands ordered for the batch's node: ``leave`` on every reply while
   the order stands, ``restart_workers`` once (and not while the node is told to leave);
 - ``GET TIME_PATH`` answers the server's clock, ``clock_offset_s`` ahead of this machine's.
@@ -34,8 +37,10 @@ from slurmft.protocol import (
     BatchReply,
     Command,
     CommandKind,
+    ItemsRefused,
     ProtocolError,
     TimeReply,
+    check_batch,
 )
 
 
@@ -112,6 +117,7 @@ class FakeController:
                 raise Refused(HTTPStatus.SERVICE_UNAVAILABLE, "daemon restarting")
             if self.run_tokens is not None and self.run_tokens.get(batch.run_id) != token:
                 raise Refused(HTTPStatus.FORBIDDEN, f"token not valid for run {batch.run_id}")
+            check_batch(batch, self.now())
             agent = (batch.run_id, batch.agent_id)
             if batch.seq > self._cursors.get(agent, 0):  # at or below: a resend, acked again
                 self._cursors[agent] = batch.seq
@@ -144,6 +150,12 @@ def _handler_for(fake: FakeController) -> type[BaseHTTPRequestHandler]:
             except Refused as refused:
                 self._reply(refused.status, json.dumps({"error": str(refused)}).encode())
                 return
+            except ItemsRefused as refused:
+                self._reply(HTTPStatus.UNPROCESSABLE_ENTITY, refused.reply().to_json())
+                return
+            except ProtocolError as error:
+                self._reply(HTTPStatus.BAD_REQUEST, json.dumps({"error": str(error)}).encode())
+                return
             self._reply(HTTPStatus.OK, reply.to_json())
 
         def _reply(self, status: HTTPStatus, body: bytes) -> None:
@@ -164,5 +176,7 @@ def _bearer(authorization: str) -> str | None:
 def _parse(body: bytes) -> AgentBatch:
     try:
         return AgentBatch.from_json(body)
+    except ItemsRefused:
+        raise
     except ProtocolError as error:
         raise Refused(HTTPStatus.BAD_REQUEST, str(error)) from None

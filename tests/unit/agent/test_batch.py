@@ -334,6 +334,7 @@ def test_the_batch_step_reports_its_allocation_at_start_and_after_a_relaunch_els
     ]
     # On the wire, in the batch step's batch (the daemon checks it against Slurm).
     batch_json = AgentBatch(
-        run_id="r", agent_id="batch-step:7-x", node="n1", seq=1, sent_at=1.0, allocation=reports[0]
+        run_id="r", agent_id="batch-step:7-x", node="n1", seq=1, sent_at=1.7e9,
+        allocation=reports[0],
     ).to_json()
     assert AgentBatch.from_json(batch_json).allocation == reports[0]

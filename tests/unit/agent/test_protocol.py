@@ -7,7 +7,10 @@ from datetime import UTC, datetime
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from slurmft import protocol
 from slurmft.controller.ingest import heartbeat_reports, step_time_reports
 from slurmft.protocol import (
     AgentBatch,
@@ -32,8 +35,11 @@ def batch() -> AgentBatch:
         sent_at=T0,
         heartbeats=(RankHeartbeat(2, 0, "step", 17, 0.4, 300.0, False, T0, 1, 4242),),
         step_times=(RankStepTime(2, 17, 0.2, 0.05, T0),),
-        events=(AgentEvent("hang", T0, "stuck", rank=2, fault_class="hang",
-                           details={"stacks": {"2": "..."}}),),
+        events=(
+            AgentEvent(
+                "hang", T0, "stuck", rank=2, fault_class="hang", details={"stacks": {"2": "..."}}
+            ),
+        ),
     )
 
 
@@ -57,29 +63,46 @@ def test_round_trip() -> None:
         (b"[1, 2]", "expected a JSON object"),
         (json.dumps({**body(), "v": 2}).encode(), "protocol version 2"),
         (json.dumps({k: v for k, v in body().items() if k != "v"}).encode(), "protocol version"),
-        (json.dumps({k: v for k, v in body().items() if k != "seq"}).encode(),
-         "batch.seq: missing"),
+        (
+            json.dumps({k: v for k, v in body().items() if k != "seq"}).encode(),
+            "batch.seq: missing",
+        ),
         (json.dumps(body(seq="3")).encode(), "batch.seq: expected `int`, got `str`"),
         (json.dumps(body(seq=True)).encode(), "batch.seq: expected `int`, got `bool`"),
-        (json.dumps(body(seq=0)).encode(), "batch.seq: must be at least 1"),
+        (json.dumps(body(seq=0)).encode(), "batch.seq: 0 is not in [1, "),
         (json.dumps(body(extra=1)).encode(), "unknown field 'extra'"),
-        (json.dumps(body(heartbeats={})).encode(),
-         "batch.heartbeats: expected `array`, got `object`"),
-        (json.dumps(body(heartbeats=[1])).encode(),
-         "batch.heartbeats[0]: expected `object`, got `int`"),
+        (
+            json.dumps(body(heartbeats={})).encode(),
+            "batch.heartbeats: expected `array`, got `object`",
+        ),
+        (
+            json.dumps(body(heartbeats=[1])).encode(),
+            "batch.heartbeats[0]: expected `object`, got `int`",
+        ),
         (json.dumps(body(step_times=[{"rank": 1}])).encode(), "batch.step_times[0].step: missing"),
-        (json.dumps(body(events=[{"kind": "party", "occurred_at": T0}])).encode(),
-         "batch.events[0].kind: invalid enum value 'party'"),
-        (json.dumps(body(events=[{"kind": "hang", "occurred_at": T0, "fault_class": "x"}]))
-         .encode(),
-         "batch.events[0].fault_class: invalid enum value 'x'"),
+        (
+            json.dumps(body(events=[{"kind": "party", "occurred_at": T0}])).encode(),
+            "batch.events[0].kind: invalid enum value 'party'",
+        ),
+        (
+            json.dumps(
+                body(events=[{"kind": "hang", "occurred_at": T0, "fault_class": "x"}])
+            ).encode(),
+            "batch.events[0].fault_class: invalid enum value 'x'",
+        ),
         # JSON has no NaN; a number beyond a double is refused, not read as infinity.
-        (b'{"v": 1, "run_id": "r", "agent_id": "a", "node": "n", "seq": 1, "sent_at": NaN}',
-         "not JSON"),
-        (b'{"v": 1, "run_id": "r", "agent_id": "a", "node": "n", "seq": 1, "sent_at": 1e999}',
-         "batch.sent_at: number out of range"),
-        (json.dumps(body(heartbeats=[{"rank": 1, "extra": 2}])).encode(),
-         "batch.heartbeats[0]: unknown field 'extra'"),
+        (
+            b'{"v": 1, "run_id": "r", "agent_id": "a", "node": "n", "seq": 1, "sent_at": NaN}',
+            "not JSON",
+        ),
+        (
+            b'{"v": 1, "run_id": "r", "agent_id": "a", "node": "n", "seq": 1, "sent_at": 1e999}',
+            "batch.sent_at: number out of range",
+        ),
+        (
+            json.dumps(body(heartbeats=[{"rank": 1, "extra": 2}])).encode(),
+            "batch.heartbeats[0]: unknown field 'extra'",
+        ),
     ],
 )
 def test_malformed_batches_name_the_field(payload: bytes, message: str) -> None:
@@ -89,8 +112,9 @@ def test_malformed_batches_name_the_field(payload: bytes, message: str) -> None:
 
 def test_unknown_command_kind_is_refused() -> None:
     with pytest.raises(ProtocolError, match=r"reply.commands\[0\].kind"):
-        BatchReply.from_json(b'{"v":1,"acked_seq":1,"server_time":1.0,'
-                             b'"commands":[{"kind":"explode"}]}')
+        BatchReply.from_json(
+            b'{"v":1,"acked_seq":1,"server_time":1.0,"commands":[{"kind":"explode"}]}'
+        )
 
 
 def test_conversion_to_store_reports() -> None:
@@ -102,3 +126,39 @@ def test_conversion_to_store_reports() -> None:
     (st,) = step_time_reports(batch())
     assert (st.rank, st.step, st.compute_s, st.wait_s) == (2, 17, 0.2, 0.05)
     assert st.ended_at.tzinfo is UTC
+
+
+_ints = st.one_of(st.integers(-(2**64), 2**64), st.sampled_from([0, -1, 2**20, 2**31, 2**62]))
+_floats = st.one_of(
+    st.floats(allow_nan=True), st.sampled_from([T0, 1.5e9, 4.2e9, 1e20, float("inf")])
+)
+_texts = st.text(max_size=70)
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(
+    st.builds(
+        RankHeartbeat,
+        _ints,
+        _ints,
+        _texts,
+        _ints,
+        _floats,
+        _floats,
+        st.booleans(),
+        _floats,
+        _ints,
+        _ints,
+    ),
+    st.builds(RankStepTime, _ints, _ints, _floats, _floats, _floats, _texts),
+)
+def test_the_one_pass_bounds_check_agrees_with_the_one_that_names_the_field(
+    heartbeat: RankHeartbeat, step_time: RankStepTime
+) -> None:
+    latest = T0 + 86_400
+    assert protocol._heartbeats_fine([heartbeat], latest) == (
+        protocol._heartbeat_problem(heartbeat, latest) is None
+    )
+    assert protocol._step_times_fine([step_time], latest) == (
+        protocol._step_time_problem(step_time, latest) is None
+    )

@@ -11,6 +11,7 @@ from support.waiting import wait_for
 
 from slurmft.agent.reporter import HttpTransport, ReportBuffer, Reporter, backoff_s
 from slurmft.protocol import (
+    MAX_BATCH_EVENTS,
     AgentEvent,
     AllocationMember,
     AllocationReport,
@@ -28,12 +29,16 @@ def controller() -> Iterator[FakeController]:
     server.stop()
 
 
+# Report times the daemon takes (a time before 2020 is refused as a broken clock).
+T0 = 1_700_000_000.0
+
+
 def heartbeat(rank: int, t: float) -> RankHeartbeat:
     return RankHeartbeat(rank, rank, "step", 1, 0.1, 300.0, False, t)
 
 
 def event(n: int) -> AgentEvent:
-    return AgentEvent("restart", float(n), f"event {n}")
+    return AgentEvent("restart", T0 + n, f"event {n}")
 
 
 # Short polls: the reporter sends every 0.05 s in these tests.
@@ -45,23 +50,29 @@ def test_outage_keeps_the_batch_and_its_seq_until_acknowledged(controller: FakeC
     commands: list[Command] = []
     # No keepalive batch in between (a slow machine can spend its 2 s on the retries), so the
     # sequence numbers below are the two batches' own.
-    reporter = Reporter(HttpTransport(controller.url, "tok"), run_id="r1", node="n1",
-                        on_command=commands.append, interval_s=0.05, backoff_cap_s=0.2,
-                        keepalive_s=60)
-    reporter.add(heartbeat(0, 1.0))
+    reporter = Reporter(
+        HttpTransport(controller.url, "tok"),
+        run_id="r1",
+        node="n1",
+        on_command=commands.append,
+        interval_s=0.05,
+        backoff_cap_s=0.2,
+        keepalive_s=60,
+    )
+    reporter.add(heartbeat(0, T0 + 1))
     reporter.add_event(event(1))
     reporter.start()
     try:
         wait_for(lambda: len(controller.accepted) == 1, 10, "the first batch", interval_s=POLL_S)
-        reporter.add(RankStepTime(0, 2, 0.1, 0.0, 2.0))
+        reporter.add(RankStepTime(0, 2, 0.1, 0.0, T0 + 2))
         wait_for(lambda: len(controller.accepted) == 2, 10, "the second batch", interval_s=POLL_S)
     finally:
         reporter.stop(flush_timeout_s=2)
     assert [b.seq for b in controller.attempts] == [1, 1, 1, 1, 2]  # resent unchanged
     assert len({b.to_json() for b in controller.attempts[:4]}) == 1
     first, second = controller.accepted
-    assert first.events == (event(1),) and first.heartbeats == (heartbeat(0, 1.0),)
-    assert second.step_times == (RankStepTime(0, 2, 0.1, 0.0, 2.0),)
+    assert first.events == (event(1),) and first.heartbeats == (heartbeat(0, T0 + 1),)
+    assert second.step_times == (RankStepTime(0, 2, 0.1, 0.0, T0 + 2),)
     assert set(controller.tokens) == {"Bearer tok"}
     assert reporter.counters.send_failures == 3
 
@@ -69,8 +80,13 @@ def test_outage_keeps_the_batch_and_its_seq_until_acknowledged(controller: FakeC
 def test_reply_commands_reach_the_agent(controller: FakeController) -> None:
     controller.order("n1", Command("leave", "node n1 cordoned"))
     commands: list[Command] = []
-    reporter = Reporter(HttpTransport(controller.url, "tok"), run_id="r1", node="n1",
-                        on_command=commands.append, interval_s=0.05)
+    reporter = Reporter(
+        HttpTransport(controller.url, "tok"),
+        run_id="r1",
+        node="n1",
+        on_command=commands.append,
+        interval_s=0.05,
+    )
     reporter.add_event(event(1))
     reporter.start()
     try:
@@ -84,8 +100,14 @@ def test_an_idle_agent_still_fetches_its_commands(controller: FakeController) ->
     """Nothing to report (a spare, frozen workers): empty batches every keepalive_s."""
     controller.order("n1", Command("restart_workers", "rank 1 silent"))
     commands: list[Command] = []
-    reporter = Reporter(HttpTransport(controller.url, "tok"), run_id="r1", node="n1",
-                        on_command=commands.append, interval_s=0.05, keepalive_s=0.1)
+    reporter = Reporter(
+        HttpTransport(controller.url, "tok"),
+        run_id="r1",
+        node="n1",
+        on_command=commands.append,
+        interval_s=0.05,
+        keepalive_s=0.1,
+    )
     reporter.start()
     try:
         wait_for(lambda: len(controller.accepted) >= 2, 10, "two batches", interval_s=POLL_S)
@@ -97,8 +119,13 @@ def test_an_idle_agent_still_fetches_its_commands(controller: FakeController) ->
 
 
 def test_a_rejected_batch_is_dropped_not_retried_forever(controller: FakeController) -> None:
-    reporter = Reporter(HttpTransport(controller.url, "wrong"), run_id="r1", node="n1",
-                        on_command=lambda c: None, interval_s=0.05)
+    reporter = Reporter(
+        HttpTransport(controller.url, "wrong"),
+        run_id="r1",
+        node="n1",
+        on_command=lambda c: None,
+        interval_s=0.05,
+    )
     reporter.add_event(event(1))
     assert reporter.send_once() is True
     assert reporter.counters.rejected_batches == 1 and reporter.pending() == 0
@@ -150,14 +177,30 @@ def test_server_time_for_the_clock_check(controller: FakeController) -> None:
     assert 4.5 < skew.offset_s < 5.5 and skew.too_large(1.0)
 
 
+def test_a_batch_carries_at_most_the_events_the_daemon_takes_in_one() -> None:
+    """Issue 14, item 10: the daemon refuses events past MAX_BATCH_EVENTS in one batch; the
+    agent sends a backlog of events in several batches instead."""
+    buffer = ReportBuffer(max_items=10)
+    for n in range(MAX_BATCH_EVENTS + 5):
+        buffer.add(event(n))
+    _, _, events = buffer.take(5_000)
+    assert len(events) == MAX_BATCH_EVENTS and len(buffer) == 5
+
+
 def test_the_batch_steps_allocation_goes_at_once_and_alone(controller: FakeController) -> None:
     """The batch step's reporter sends its allocation as soon as it has one (no keep-alives in
     between: its batches are not an agent's), and the newest report wins over an unsent one."""
     first = AllocationReport("7", (AllocationMember("n1"), AllocationMember("n2")))
     newer = AllocationReport("7", (AllocationMember("n1"),))
-    reporter = Reporter(HttpTransport(controller.url, "tok"), run_id="r1", node="n1",
-                        on_command=lambda _: None, interval_s=0.05, keepalive_s=float("inf"),
-                        agent_id="batch-step:7-abc")
+    reporter = Reporter(
+        HttpTransport(controller.url, "tok"),
+        run_id="r1",
+        node="n1",
+        on_command=lambda _: None,
+        interval_s=0.05,
+        keepalive_s=float("inf"),
+        agent_id="batch-step:7-abc",
+    )
     reporter.report_allocation(first)
     reporter.report_allocation(newer)
     reporter.start()
