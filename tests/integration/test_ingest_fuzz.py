@@ -11,10 +11,10 @@ run) and without a deadline: a shared machine's pauses are not failures.
 
 The payloads come from hypothesis as one byte string per 100 of them (8 bytes each pick the
 kind, the fields, the hostile values of a table built here, the token, the node): drawing them
-from hypothesis strategies one by one cost 4.5 ms a payload on the development machine, more than
-posting one (under load). Measured there (two shared cores): 10,000 payloads in 30 s on SQLite and 58 s on
-PostgreSQL at a load average of 3 (150 s and 217 s at 10 to 40); the same statuses every run
-(400: 3,686, 422: 3,840, 401: 1,292, 403: 501, 200: 681).
+from hypothesis strategies one by one cost 4.5 ms a payload on the development machine, more
+than posting one (under load). Measured there (two shared cores): 10,000 payloads in 30 s on
+SQLite and 58 s on PostgreSQL at a load average of 3 (150 s and 217 s at 10 to 40); the same
+statuses every run (400: 3,686, 422: 3,840, 401: 1,292, 403: 501, 200: 681).
 """
 
 from __future__ import annotations
