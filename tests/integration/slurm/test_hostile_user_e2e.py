@@ -1,0 +1,288 @@
+"""One user against another on the real daemon and the local cluster (issue 14, done-when).
+
+slurmft-alice trains a real run under a root daemon. slurmft-bob, with a run of his own that
+waits in Slurm, tries one attack after another on her run through everything he can reach:
+the CLI socket (cancel, attach her job, read her run) and the agents' endpoint with his run's
+token (an allocation claiming her job, GPU faults, hangs and stragglers naming her nodes, her
+run's id, impossible values, a flood of events, idle connections held open).
+
+Alice's run must not notice: no action on it but those her own job caused, her job never
+requeued (Restarts=0) and its excluded nodes unchanged, none of her nodes drained or
+denylisted, the control pass going on for her run to its completion. Bob drains and denylists
+nothing, anywhere.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import json
+import socket
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import pytest
+from daemon_process import DaemonProcess, run_slurmft, running_daemon
+from e2e_run import EXAMPLE, SubmittedRun, submit
+from local_cluster import Cluster
+from sqlalchemy import select
+from support.waiting import wait_for_value
+from unix_users import TestUsers, UnixUser
+
+from slurmft.db.models import Action, ActionKind, Event, EventKind
+from slurmft.db.records import denied_nodes
+from slurmft.db.states import RunState
+from slurmft.protocol import BATCH_PATH
+from slurmft.slurm.api import JobState
+
+pytestmark = [pytest.mark.slurm, pytest.mark.torch, pytest.mark.users]
+
+# What only a job's own end may do to a run; anything else on alice's run came from bob.
+HER_OWN = {ActionKind.FINISH_RUN}
+ON_NODES = {ActionKind.DRAIN_NODE, ActionKind.AGENT_LEAVE, ActionKind.EVICT_NODE}
+
+
+@pytest.fixture
+def root_daemon(tmp_path: Path, open_dir: Path) -> Iterator[DaemonProcess]:
+    with ExitStack() as stack:
+        yield stack.enter_context(
+            running_daemon(tmp_path, SLURMFT_PATHS_RUNTIME_DIR=str(open_dir / "run"))
+        )
+
+
+class Ingest:
+    """The daemon's agents' endpoint, as anyone holding a token reaches it."""
+
+    def __init__(self, daemon: DaemonProcess) -> None:
+        host, port = daemon.env["SLURMFT_DAEMON_INGEST_LISTEN"].rsplit(":", 1)
+        self.host, self.port = host, int(port)
+        self.seq = 0
+
+    def post(self, token: str, body: bytes, headers: dict[str, str] | None = None) -> int:
+        conn = http.client.HTTPConnection(self.host, self.port, timeout=30)
+        try:
+            conn.request(
+                "POST",
+                BATCH_PATH,
+                body=body,
+                headers={
+                    "Authorization": f"Bearer {token}",
+                    "Content-Type": "application/json",
+                    **(headers or {}),
+                },
+            )
+            response = conn.getresponse()
+            response.read()
+            return response.status
+        finally:
+            conn.close()
+
+    def batch(
+        self, token: str, run_id: str, node: str, raw: dict[str, str] | None = None, **fields: Any
+    ) -> int:
+        """A batch of ``fields``; ``raw`` replaces JSON text in the body as it is written."""
+        self.seq += 1
+        now = time.time()
+        body = {
+            "v": 1,
+            "run_id": run_id,
+            "agent_id": fields.pop("agent_id", f"bob-on-{node}"),
+            "node": node,
+            "seq": fields.pop("seq", self.seq),
+            "sent_at": now,
+            **fields,
+        }
+        text = json.dumps(body)
+        for placeholder, replacement in (raw or {}).items():
+            text = text.replace(placeholder, replacement)
+        return self.post(token, text.encode())
+
+
+def _fault(xid: int, now: float, action: str = "drain") -> dict[str, Any]:
+    details = {"xid": xid, "gpu_index": 0, "action": action, "fault_kind": "xid"}
+    return {"kind": "gpu_fault", "occurred_at": now, "message": f"Xid {xid}", "details": details}
+
+
+def _token(run_home: Path) -> str:
+    return (run_home / "ckpt" / ".slurmft" / "token").read_text().strip()
+
+
+def _bobs_waiting_run(cluster: Cluster, daemon: DaemonProcess, home: Path, bob: UnixUser) -> str:
+    """A run of bob's whose job waits: it wants every node to itself while alice's job holds
+    some (sbatch reads SBATCH_EXCLUSIVE)."""
+    every = str(len(cluster.client.nodes()))
+    argv = ["submit", "--nodes", every, "--spares", "0", "--ckpt-dir", str(home / "ckpt")]
+    done = run_slurmft(
+        daemon.client_env() | {"SBATCH_EXCLUSIVE": "exclusive"},
+        *argv,
+        "--json",
+        "--",
+        "train.py",
+        as_user=bob,
+    )
+    assert done.returncode == 0, done.stderr
+    submitted = json.loads(done.stdout)
+    cluster._jobs.append(submitted["job_id"])
+    return str(submitted["run_id"])
+
+
+def _attack_through_the_socket(
+    daemon: DaemonProcess, bob: UnixUser, alice_run: SubmittedRun, bobs: str
+) -> None:
+    env = daemon.client_env()
+    for argv in (("cancel", alice_run.run_id), ("status", alice_run.run_id)):
+        done = run_slurmft(env, *argv, as_user=bob)
+        assert done.returncode != 0 and "visible to you" in done.stderr, done.stdout
+    attach = (
+        "import sys\n"
+        "from slurmft.controller.rpc import RpcError, call\n"
+        "try:\n"
+        f"    call(sys.argv[1], 'attach_job', run_id={bobs!r}, job_id={alice_run.job_id!r})\n"
+        "except RpcError as e:\n"
+        "    print('refused:', e)\n"
+    )
+    done = bob.run([str(bob.bin_dir / "python"), "-c", attach, str(daemon.socket_path)], env)
+    assert done.stdout.startswith("refused:") and "belongs to uid" in done.stdout, done
+
+
+def _attack_through_ingest(
+    ingest: Ingest, token: str, bobs: str, alice_run: SubmittedRun, nodes: list[str]
+) -> list[int]:
+    """Every answer bob got; none of it may reach alice's run."""
+    now = time.time()
+    answers = []
+    # Her job and her nodes, claimed as his allocation: Slurm says the job is alice's.
+    claim = {"job_id": alice_run.job_id, "nodes": [{"node": n, "role": "active"} for n in nodes]}
+    answers.append(ingest.batch(token, bobs, nodes[0], agent_id="batch-step:x", allocation=claim))
+    for node in nodes:
+        events = [
+            _fault(79, now),  # fallen off the bus: a drain, if it were his node
+            _fault(48, now),  # double-bit ECC
+            {"kind": "hang", "occurred_at": now, "message": "rank 0 hung", "rank": 0},
+            {"kind": "straggler", "occurred_at": now, "message": f"{node} slow", "rank": 1},
+        ]
+        beats = [
+            {
+                "rank": rank,
+                "local_rank": 0,
+                "phase": "step",
+                "step": 1,
+                "progress_age_s": 3600.0,
+                "deadline_s": 1.0,
+                "overdue": True,
+                "sent_at": now,
+            }
+            for rank in range(3)
+        ]
+        answers.append(ingest.batch(token, bobs, node, events=events, heartbeats=beats))
+    # Her run's id under his token.
+    answers.append(ingest.batch(token, alice_run.run_id, nodes[0], events=[_fault(79, now)]))
+    # Impossible values, and a flood of events in one batch.
+    answers.append(ingest.batch(token, bobs, nodes[0], events=[_fault(79, 1e20)]))
+    answers.append(ingest.batch(token, bobs, nodes[0], seq=2**63))
+    # Details nested 5,000 deep (written out: json.dumps itself stops at ~1,000).
+    deep = '{"d":' * 5000 + "{}" + "}" * 5000
+    answers.append(
+        ingest.batch(
+            token,
+            bobs,
+            nodes[0],
+            events=[{**_fault(79, now), "details": "DEEP"}],
+            raw={'"DEEP"': deep},
+        )
+    )
+    answers.append(
+        ingest.batch(token, bobs, nodes[0], events=[{**_fault(79, now), "message": "a\x00b"}])
+    )
+    answers.append(ingest.batch(token, bobs, nodes[0], events=[_fault(79, now)] * 20000))
+    answers.append(ingest.post(token, b"{}", {"Content-Length": "²"}))
+    return answers
+
+
+@contextlib.contextmanager
+def _idle_connections(ingest: Ingest, count: int) -> Iterator[None]:
+    held = []
+    try:
+        for _ in range(count):
+            held.append(socket.create_connection((ingest.host, ingest.port), timeout=5))
+        yield
+    finally:
+        for conn in held:
+            conn.close()
+
+
+def _actions(run: SubmittedRun, run_id: str) -> list[tuple[ActionKind, str | None, str]]:
+    with run.database.session() as s:
+        rows = s.scalars(select(Action).where(Action.run_id == run_id).order_by(Action.id))
+        return [(a.kind, a.node, a.reason) for a in rows]
+
+
+def test_bobs_attacks_on_alices_run_change_nothing_for_her(
+    open_dir: Path, cluster: Cluster, root_daemon: DaemonProcess, test_users: TestUsers
+) -> None:
+    alice, bob = test_users.alice, test_users.bob
+    daemon = root_daemon
+    script = [*EXAMPLE, "--steps", "40"]  # the last --steps counts
+    run = submit(
+        cluster, daemon, alice.own(open_dir / "alice"), script, name="alice", as_user=alice
+    )
+    run.wait_training(past_step=5)
+    job = cluster.client.job(run.job_id)
+    her_nodes = sorted(job.nodes)
+    excluded_before = job.raw.get("ExcNodeList")
+    bob_home = bob.own(open_dir / "bob")
+    bobs = _bobs_waiting_run(cluster, daemon, bob_home, bob)
+
+    _attack_through_the_socket(daemon, bob, run, bobs)
+    ingest = Ingest(daemon)
+    with _idle_connections(ingest, 100):
+        answers = _attack_through_ingest(ingest, _token(bob_home), bobs, run, her_nodes)
+        # Stored as evidence (200), or refused with a 4xx: never a 5xx an agent retries for ever.
+        assert all(status == 200 or 400 <= status < 500 for status in answers), answers
+        assert daemon.proc is not None and daemon.proc.poll() is None
+        # A few passes with all of it in the store, while her run goes on.
+        step_before = run.latest_step()
+        wait_for_value(
+            "alice's run to train on through bob's attacks",
+            run.latest_step,
+            lambda step: step >= step_before + 5,
+            timeout_s=120,
+        )
+
+    # Bob ends his own run, before alice's job frees the nodes his waits for.
+    assert run_slurmft(daemon.client_env(), "cancel", bobs, as_user=bob).returncode == 0
+    run.wait_completed(40)
+    wait_for_value(
+        "the daemon to record alice's run completed",
+        lambda: run.run().state,
+        lambda state: state is RunState.COMPLETED,
+        timeout_s=60,
+    )
+
+    ours = _actions(run, run.run_id)
+    assert {kind for kind, _, _ in ours} <= HER_OWN, ours
+    record = cluster.client.job(run.job_id)
+    assert record.raw.get("Restarts") == "0", record.raw
+    assert record.raw.get("ExcNodeList") == excluded_before
+    with run.database.session() as s:
+        assert denied_nodes(s) == set()  # nothing kept out, for anyone
+        assert denied_nodes(s, run_id=run.run_id) == set()
+        assert denied_nodes(s, run_id=bobs) == set()
+        on_nodes = s.scalars(select(Action).where(Action.kind.in_(ON_NODES))).all()
+        assert on_nodes == [], [(a.kind, a.node, a.reason) for a in on_nodes]
+        errors = s.scalars(
+            select(Event).where(Event.kind == EventKind.CONTROL_ERROR, Event.run_id == run.run_id)
+        ).all()
+        assert errors == []
+        # Bob's evidence is kept (it is his run's history) and judged foreign: he had no node.
+        judged = s.scalars(
+            select(Event.foreign).where(Event.run_id == bobs, Event.kind == EventKind.GPU_FAULT)
+        ).all()
+        assert judged and all(foreign is not False for foreign in judged), judged
+    for node in her_nodes:
+        assert not cluster.client.node(node).status.drain_requested, node
+    assert cluster.client.job(run.job_id).state is JobState.COMPLETED
+    run.database.dispose()
