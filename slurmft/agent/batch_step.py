@@ -89,7 +89,7 @@ def _why(error: OSError) -> str:
 def store_address(store_host: str = "") -> str:
     """Where the batch step hosts the rendezvous store: ``store_host``, else this node's host
     name's address (the job network's, where the agents reach it); never every interface's
-    (ValueError). The store is unauthenticated: docs/security-rendezvous.md."""
+    (ValueError). The store is unauthenticated: docs/install.md, "Security model"."""
     return check_store_host(store_host or socket.gethostbyname(socket.gethostname()))
 
 

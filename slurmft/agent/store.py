@@ -38,7 +38,7 @@ READY_LINE = "slurmft-store ready"
 def check_store_host(host: str) -> str:
     """``host``, which the store will listen on: refused (ValueError) when it is, or resolves to,
     every interface's address (0.0.0.0, ::), which would expose the store to every network
-    the node is on instead of the job's (docs/security-rendezvous.md)."""
+    the node is on instead of the job's (docs/install.md, "Security model")."""
     if not host:
         raise ValueError("the rendezvous store needs the job network's address, not every one")
     try:

@@ -1,6 +1,6 @@
 """The rendezvous store is unauthenticated (torch's TCPStore, pickled values), so it listens on
 the job's address only, never on every interface (issue 14 item 13; the site requirement is in
-docs/security-rendezvous.md). Started as the batch step starts it: the address `slurmft agent
+docs/install.md, "Security model"). Started as the batch step starts it: the address `slurmft agent
 batch` picks (its --store-host, else the node's host name's address) and a free port on it."""
 
 from __future__ import annotations
