@@ -12,8 +12,12 @@ is marked foreign and refused with a daemon event saying why; nothing of it is s
 
 Then every agent event not judged yet is judged against its attempt's allocation, once that is
 known: naming a node outside it (or one that had left it when the event came) makes it foreign,
-and foreign evidence is never acted on (observe reads only `foreign` false). Until the
-allocation is known the evidence is held.
+and so does coming before the job started (Slurm's StartTime, less a minute for the clocks): no
+agent of the job could have sent it, so it is a claim about nodes the run did not have yet
+(seen in the hostile-user test: a run that waited in Slurm posted faults naming nodes, and
+when its job later started on them, the held faults read as its own). Foreign evidence is never
+acted on (observe reads only `foreign` false). Until the allocation is known the evidence is
+held.
 
 Why here and not in ingest: checking a report asks Slurm (scontrol, a second or more when
 slurmctld is busy), and ingest answers every agent's batch every second from one group writer
@@ -25,7 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import UTC, datetime, timedelta
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
@@ -37,6 +41,9 @@ from slurmft.slurm.api import JobInfo, SlurmClient, SlurmError, SlurmTimeout, Sl
 from slurmft.slurm.script import not_the_runs_job
 
 REFUSED = "allocation report refused"
+# How far the daemon's clock may be behind slurmctld's when it compares an event's arrival with
+# the job's start (both hosts keep NTP time; Slurm prints whole seconds).
+START_SKEW = timedelta(seconds=60)
 
 
 @dataclass(frozen=True)
@@ -105,6 +112,9 @@ def judge_allocation_reports(session: Session, slurm: SlurmClient, *, now: datet
             _refuse(session, report, verdict.refused)
             continue
         attempt = _adopt(session, run, attempt, job, now)
+        started = slurm_start_time(job)
+        if started is not None and (attempt.started_at is None or started < attempt.started_at):
+            attempt.started_at = started  # Slurm's, not the first pass that saw it running
         _store(attempt, verdict.members, now, f"not in the batch step's report {report.id}")
         report.attempt_id = attempt.id
         report.foreign = False
@@ -146,11 +156,27 @@ def judge_evidence(session: Session, run_ids: list[str]) -> None:
             allocation = cache[attempt_id]
             if not allocation:
                 continue  # not known yet: held
-            event.foreign = not _own(allocation, event)
+            attempt = session.get(Attempt, attempt_id)
+            started = attempt.started_at if attempt is not None else None
+            event.foreign = not _own(allocation, event, started)
     session.flush()
 
 
-def _own(allocation: Mapping[str, AllocationNode], event: Event) -> bool:
+def slurm_start_time(job: JobInfo) -> datetime | None:
+    """When Slurm started the job (scontrol's StartTime, the login node's local time), or None
+    where it does not say (squeue's record, a job not started)."""
+    try:
+        started = datetime.fromisoformat(job.raw.get("StartTime", ""))
+    except ValueError:  # "Unknown", "None", absent
+        return None
+    return started.astimezone(UTC) if started.tzinfo is None else started
+
+
+def _own(
+    allocation: Mapping[str, AllocationNode], event: Event, started_at: datetime | None
+) -> bool:
+    if started_at is not None and event.recorded_at < started_at - START_SKEW:
+        return False  # before the job ran: not from its agents, whatever node it names
     if event.node is None:
         return True  # names no node: nothing to act on against anyone
     row = allocation.get(event.node)

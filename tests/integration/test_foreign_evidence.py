@@ -201,6 +201,28 @@ def test_evidence_before_the_allocation_is_held_then_judged(
         assert (row.foreign, row.details["allocation"]) == (False, ["n1", "n2", "n3"])
 
 
+def test_evidence_from_before_the_job_started_is_foreign_even_on_nodes_the_job_then_got(
+    database: Database, ingest_server: IngestServer, tokens: dict[str, str]
+) -> None:
+    """A run that waits in Slurm can post faults naming any node; when its job later starts on
+    those nodes, the held faults must not read as its own (seen in the hostile-user test: bob's
+    pending run's faults drained nodes his job got after alice's ended)."""
+    slurm = RecordedSlurm()
+    _post(ingest_server, tokens[BOB], BOB, "n2", events=[_fault(79, "drain")])
+    # Recorded job 14 started at 2026-11-29T11:21:11: the fault came an hour before that.
+    with database.session() as s:
+        (fault,) = s.scalars(select(Event).where(Event.kind == EventKind.GPU_FAULT)).all()
+        fault.recorded_at = datetime(2026, 11, 29, 10, 21, tzinfo=UTC)
+    _post(ingest_server, tokens[BOB], BOB, "n1", allocation=BOBS_ALLOCATION)
+    _pass(database, slurm)
+    assert _faults(database) == {"n2:79": True}
+    assert (slurm.effects, _acted_on(database)) == ([], [])
+    with database.session() as s:
+        assert denied_nodes(s) == set() and denied_nodes(s, run_id=BOB) == set()
+        (attempt,) = s.scalars(select(Attempt).where(Attempt.run_id == BOB)).all()
+        assert attempt.started_at == datetime(2026, 11, 29, 11, 21, 11, tzinfo=UTC)
+
+
 @pytest.mark.parametrize(
     ("run_id", "uid", "refused"),
     [
