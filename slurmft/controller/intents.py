@@ -54,6 +54,8 @@ NOT_SUBMITTED = (
     "interrupted before sbatch answered, and no job of the owner carries this action's tag: "
     "decided again"
 )
+# The errors of rows settled here: the decision they carried is made again at once (observe).
+UNFINISHED = (INTERRUPTED, NOT_SUBMITTED)
 
 
 def open_resubmitted_attempt(session: Session, run: Run, row: Action, job_id: str) -> None:

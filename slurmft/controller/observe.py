@@ -19,7 +19,7 @@ from sqlalchemy.orm import Session
 
 from slurmft.controller.allocation import judge_allocation_reports, judge_evidence
 from slurmft.controller.detect import RankBeat, RankCompute
-from slurmft.controller.intents import settle_interrupted
+from slurmft.controller.intents import UNFINISHED, settle_interrupted
 from slurmft.controller.reconcile import reconcile
 from slurmft.controller.restarts import restart_evidence
 from slurmft.controller.step_window import StepWindows
@@ -545,7 +545,9 @@ def _reported_keys(
     session: Session, run_id: str, since: datetime, *, now: datetime
 ) -> frozenset[str]:
     """Findings already recorded (events) or acted on (actions) for this attempt; an action
-    that failed counts for RETRY_FAILED_AFTER, then it is decided (and tried) again."""
+    that failed counts for RETRY_FAILED_AFTER, then it is decided (and tried) again. One a
+    stopped daemon left unfinished (slurmft.controller.intents) never counts: it is decided
+    again at once, as if the daemon had not stopped."""
     details = session.scalars(
         select(Event.details).where(
             Event.run_id == run_id, Event.kind.in_(FINDING_KINDS), Event.recorded_at >= since
@@ -556,7 +558,10 @@ def _reported_keys(
             Action.run_id == run_id,
             Action.created_at >= since,
             (Action.status != ActionStatus.FAILED)
-            | (Action.created_at >= now - RETRY_FAILED_AFTER),
+            | (
+                (Action.created_at >= now - RETRY_FAILED_AFTER)
+                & func.coalesce(Action.error, "").not_in(UNFINISHED)
+            ),
         )
     ).all()
     return frozenset(

@@ -6,6 +6,7 @@ real daemon and the real local cluster: tests/integration/slurm/test_intent_e2e.
 from __future__ import annotations
 
 from collections.abc import Callable
+from datetime import UTC, datetime
 
 import pytest
 from sqlalchemy import select
@@ -13,6 +14,7 @@ from sqlalchemy import select
 from slurmft.controller import views as v
 from slurmft.controller.act import Executor
 from slurmft.controller.intents import INTERRUPTED, NOT_SUBMITTED, settle_interrupted
+from slurmft.controller.observe import _reported_keys
 from slurmft.db import Database
 from slurmft.db.models import Action, ActionKind, ActionStatus, Attempt, EventKind, Run
 from slurmft.db.records import record_event
@@ -113,7 +115,9 @@ def test_an_interrupted_effect_without_a_tagged_job_fails_and_is_decided_again(
     with database.session() as s:  # the run's own evidence names n2: the drain goes ahead
         record_event(s, EventKind.GPU_FAULT, "Xid 79", run_id="r3", node="n2", foreign=False)
     with pytest.raises(Killed):
-        Executor(database, KilledDraining()).execute([v.DrainNode("r3", "xid 79", node="n2")])  # type: ignore[arg-type]
+        Executor(database, KilledDraining()).execute(  # type: ignore[arg-type]
+            [v.DrainNode("r3", "xid 79", {"key": "gpu:n2:79"}, node="n2")]
+        )
 
     with database.session() as s:
         assert settle_interrupted(s, slurm) == 2  # type: ignore[arg-type]
@@ -126,6 +130,9 @@ def test_an_interrupted_effect_without_a_tagged_job_fails_and_is_decided_again(
         assert [a.slurm_job_id for a in s.scalars(select(Attempt))] == ["7"]
         run = s.get(Run, "r3")
         assert run is not None and run.restarts_without_progress == 0  # no job, no charge
+        # Decided again at once, not after the retry delay of a drain that failed.
+        since = datetime(2020, 1, 1, tzinfo=UTC)
+        assert _reported_keys(s, "r3", since, now=datetime.now(UTC)) == frozenset()
 
 
 def test_agent_commands_and_webhook_notices_stay_planned(
