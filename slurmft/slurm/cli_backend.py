@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from slurmft.slurm import commands, parse
 from slurmft.slurm.api import (
@@ -29,11 +28,6 @@ from slurmft.slurm.version import SlurmVersion, parse_version
 
 log = logging.getLogger(__name__)
 
-# A job held (by slurmft's own requeuehold, or its owner) waits for ever: see requeue.
-HELD_REASONS = frozenset({"job_requeued_in_held_state", "JobHeldUser", "JobHeldAdmin"})
-RELEASE_ATTEMPTS = 10
-RELEASE_RETRY_S = 1.0
-
 
 class CliSlurmClient:
     """SlurmClient over sbatch/squeue/sinfo/scontrol/scancel."""
@@ -47,7 +41,6 @@ class CliSlurmClient:
     ) -> None:
         env = {"SLURM_CONF": slurm_conf} if slurm_conf else None
         self._runner = runner or SubprocessRunner(env)
-        self.sleep: Callable[[float], None] = time.sleep  # between releases (tests: no wait)
         self._timeout_s = timeout_s
         self._version: SlurmVersion | None = None
 
@@ -129,32 +122,13 @@ class CliSlurmClient:
             # scontrol can fail a requeuehold that Slurm carried out before the job's restart
             # count shows it (seen when the batch step requeued the job at the same moment):
             # left held, the job would never run again. Releasing a job not held is harmless.
-            self._release_until_free(job_id)
+            with contextlib.suppress(SlurmError):
+                self._run(commands.release_argv(job_id))
             raise
         try:
             self._run(commands.set_excluded_nodes_argv(job_id, exclude))
         finally:
-            self._release_until_free(job_id)
-
-    def _release_until_free(self, job_id: str) -> None:
-        """Release the job until Slurm no longer says it is held. One release can fail, or come
-        before the hold took effect, while the requeued job is still completing (seen in the
-        six-losses test: a requeuehold answered "Unexpected message", its release was lost, and
-        the job waited held, `job_requeued_in_held_state`, for ever)."""
-        for attempt in range(RELEASE_ATTEMPTS):
-            with contextlib.suppress(SlurmError):
-                self._run(commands.release_argv(job_id))
-            try:
-                job = self.job(job_id)
-            except SlurmJobNotFound:
-                return
-            except SlurmError:
-                job = None
-            if job is not None and job.reason not in HELD_REASONS:
-                return
-            if attempt + 1 < RELEASE_ATTEMPTS:
-                self.sleep(RELEASE_RETRY_S)
-        log.error("job %s is still held after %d releases", job_id, RELEASE_ATTEMPTS)
+            self._run(commands.release_argv(job_id))
 
     def _requeue_checked(self, job_id: str, *, hold: bool) -> None:
         """Requeue, and trust Slurm's job record over scontrol's answer: on a loaded slurmctld

@@ -130,32 +130,9 @@ def test_permission_denied_is_typed() -> None:
 
 
 def test_requeue_with_excluded_nodes_holds_updates_and_releases(replay: Replay) -> None:
-    client, runner = replay(
-        "show_job_running", "requeue_hold", "update_exclude_held", "release", "show_job_requeued"
-    )
+    client, runner = replay("show_job_running", "requeue_hold", "update_exclude_held", "release")
     client.requeue(job_id_of(load_recording("requeue_hold")), exclude=["n2"])
-    calls = [call[1] for call in runner.calls]
-    # The last look: the job is no longer held (Reason=None), so it will run again.
-    assert calls == ["--oneliner", "requeuehold", "update", "release", "--oneliner"]
-
-
-def test_a_release_that_did_not_take_is_repeated_until_the_job_is_free(replay: Replay) -> None:
-    """Seen in the six-losses test: the requeued job still completing, one release was lost and
-    the job waited held (`job_requeued_in_held_state`) for ever."""
-    client, runner = replay(
-        "show_job_running",
-        "requeue_hold",
-        "update_exclude_held",
-        "release",
-        "show_job_requeue_held",  # still held
-        "release",
-        "show_job_requeued",
-    )
-    pauses: list[float] = []
-    client.sleep = pauses.append
-    client.requeue(job_id_of(load_recording("requeue_hold")), exclude=["n2"])
-    assert runner.exhausted
-    assert pauses == [1.0]
+    assert [call[1] for call in runner.calls] == ["--oneliner", "requeuehold", "update", "release"]
 
 
 class RequeueAnswersAnError(ReplayRunner):
@@ -206,7 +183,6 @@ def test_a_failed_requeuehold_still_releases_the_job() -> None:
         "requeuehold",
         "--oneliner",
         "release",
-        "--oneliner",  # not held (the recorded job runs): released for good
     ]
 
 
@@ -224,4 +200,4 @@ def test_requeue_releases_the_job_even_when_the_update_fails() -> None:
     runner = UpdateFails([])
     with pytest.raises(SlurmBadRequest):
         CliSlurmClient(runner).requeue(job_id, exclude=["n6"])
-    assert ("scontrol", "release", job_id) in runner.calls
+    assert runner.calls[-1] == ("scontrol", "release", job_id)
