@@ -280,11 +280,18 @@ class Executor:
 
                 def requeue() -> None:
                     self._check_job_is_the_runs(session, action, requeued)
-                    # ExcNodeList can only change while the job waits, and a requeued job may
-                    # start again within seconds: the client holds it, updates, releases.
+                    # ExcNodeList can only change while the job waits: the client sets it as
+                    # the requeued job completes, and decide again while it waits.
                     self._slurm.requeue(requeued, exclude=sorted(exclude))
 
                 return ActionKind.REQUEUE, None, requeue
+            case v.ExcludeFromJob(job_id=waiting, nodes=nodes):
+
+                def exclude_nodes() -> None:
+                    self._check_job_is_the_runs(session, action, waiting)
+                    self._slurm.set_excluded_nodes(waiting, sorted(nodes))
+
+                return ActionKind.EXCLUDE_NODES, None, exclude_nodes
             case v.SubmitAttempt(exclude=exclude):
                 return (
                     ActionKind.RESUBMIT,

@@ -16,6 +16,7 @@ node outside the allocation is never excluded, drained or evicted on a run's wor
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from functools import partial
@@ -28,6 +29,7 @@ from slurmft.controller.views import (
     ClusterView,
     DrainNode,
     EvictNode,
+    ExcludeFromJob,
     ExcludeNode,
     FinishRun,
     JobEnd,
@@ -226,7 +228,7 @@ def _decide_run(
         return []
     if job.phase is JobPhase.WAITING:
         # Waiting: nothing to recover; a node lost as the job was requeued is still recorded.
-        return _lost_nodes(run, view, policy, gate)[0]
+        return _lost_nodes(run, view, policy, gate)[0] + _keep_excluded(run, job, view)
     if job.phase is JobPhase.ENDED:
         return _job_ended(run, job, view)
     if run.budget.exhausted:
@@ -349,6 +351,24 @@ def _batch_host_down(run: RunView, job: JobView, view: ClusterView) -> list[Acti
             run.run_id, reason, job_id=job.job_id, exclude=view.denylist | run.excluded | {host}
         ),
     ]
+
+
+def _keep_excluded(run: RunView, job: JobView, view: ClusterView) -> list[Action]:
+    """The run's removed nodes kept out of its waiting job in Slurm's own record: a requeued
+    job starts again within seconds on what Slurm offers, a revived node included. Whoever
+    requeued it (the daemon or the batch step), the list is set here, once per attempt and
+    node set (a refusal is tried again a minute later): 22.05 refuses every update of a job
+    that lost a node until its requeue completes, so the requeue's own update may not stick
+    (docs/slurm.md)."""
+    if not run.excluded:
+        return []
+    nodes = view.denylist | run.excluded
+    digest = hashlib.sha256(",".join(sorted(nodes)).encode()).hexdigest()[:16]
+    key = f"exclude:{job.job_id}:{digest}"
+    if key in run.reported:
+        return []
+    reason = f"slurmft: keep {', '.join(sorted(run.excluded))} out of job {job.job_id}"
+    return [ExcludeFromJob(run.run_id, reason, {"key": key}, job_id=job.job_id, nodes=nodes)]
 
 
 def _lost_nodes(

@@ -40,6 +40,7 @@ INLINE_EFFECTS = frozenset(
         ActionKind.EVICT_NODE,
         ActionKind.AGENT_LEAVE,
         ActionKind.REQUEUE,
+        ActionKind.EXCLUDE_NODES,
         ActionKind.RESUBMIT,
         ActionKind.CANCEL,
         ActionKind.STOP_RUN,

@@ -201,6 +201,14 @@ class RequeueJob(Action):
 
 
 @dataclass(frozen=True)
+class ExcludeFromJob(Action):
+    """Set a waiting job's excluded nodes (ExcNodeList) in Slurm to these."""
+
+    job_id: str = ""
+    nodes: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True)
 class SubmitAttempt(Action):
     """A new Slurm job for the run (its job cannot be requeued), resuming from its checkpoint."""
 

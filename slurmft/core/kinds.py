@@ -65,6 +65,7 @@ class ActionKind(enum.StrEnum):
     AGENT_LEAVE = "agent_leave"
     RESTART_WORKERS = "restart_workers"
     REQUEUE = "requeue"
+    EXCLUDE_NODES = "exclude_nodes"  # a waiting job's ExcNodeList set to the run's removed nodes
     RESUBMIT = "resubmit"
     CANCEL = "cancel"
     SIGNAL = "signal"

@@ -174,7 +174,8 @@ class SlurmClient(Protocol):
 
     def requeue(self, job_id: str, exclude: Sequence[str] | None = None) -> None:
         """Requeue a job (same job id, same owner). With `exclude`, the job's excluded nodes
-        are replaced by that list before it may start again."""
+        are then replaced by that list while it completes, if Slurm accepts the update (a
+        refusal is logged: the requeue stands, and the caller sets the list again later)."""
         ...
 
     def set_excluded_nodes(self, job_id: str, nodes: Sequence[str]) -> None:

@@ -7,7 +7,6 @@ does not answer raises SlurmUnreachable and is never reported as a missing or fa
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections.abc import Sequence
 
@@ -107,37 +106,31 @@ class CliSlurmClient:
         self._run(commands.down_argv(node, reason))
 
     def requeue(self, job_id: str, exclude: Sequence[str] | None = None) -> None:
+        """A plain requeue, then the excluded nodes set while the job completes (it cannot
+        start before). Never `requeuehold`: 22.05 without slurmdbd refuses every update of a
+        job that lost a node ("Unexpected message received"), for good when its requeue ends
+        through a node failure, so a held job's release can fail for ever (docs/slurm.md).
+        A refused exclusion is logged, not raised: the requeue happened, and the daemon sets
+        the list again while the job waits (decide's `_keep_excluded`)."""
+        self._requeue_checked(job_id)
         if exclude is None:
-            self._requeue_checked(job_id, hold=False)
             return
-        # A requeued job may start again within seconds, and ExcNodeList can only be changed
-        # while it waits: hold it, change the list, release it (measured on 22.05: the update is
-        # accepted even while the held job is still COMPLETING). Always release, so a failed
-        # update never leaves the job held forever.
-        try:
-            self._requeue_checked(job_id, hold=True)
-        except (SlurmJobNotFound, SlurmPermissionDenied):
-            raise  # refused: nothing happened
-        except SlurmError:
-            # scontrol can fail a requeuehold that Slurm carried out before the job's restart
-            # count shows it (seen when the batch step requeued the job at the same moment):
-            # left held, the job would never run again. Releasing a job not held is harmless.
-            with contextlib.suppress(SlurmError):
-                self._run(commands.release_argv(job_id))
-            raise
         try:
             self._run(commands.set_excluded_nodes_argv(job_id, exclude))
-        finally:
-            self._run(commands.release_argv(job_id))
+        except SlurmError as error:
+            log.warning(
+                "job %s was requeued, but Slurm refused its excluded nodes (%s): they are set "
+                "again while it waits", job_id, error
+            )  # fmt: skip
 
-    def _requeue_checked(self, job_id: str, *, hold: bool) -> None:
+    def _requeue_checked(self, job_id: str) -> None:
         """Requeue, and trust Slurm's job record over scontrol's answer: on a loaded slurmctld
         scontrol can fail ("Unexpected message received", a timed-out RPC) after the requeue was
         carried out. A failure counted as such would be retried later and requeue the job's next
         run. So a failed requeue is checked against the job's restart count from before."""
         before = self._restarts(job_id)
         try:
-            self._run(commands.requeue_argv(job_id, hold=hold))
+            self._run(commands.requeue_argv(job_id))
         except (SlurmJobNotFound, SlurmPermissionDenied):
             raise  # refused: nothing happened
         except SlurmError as error:

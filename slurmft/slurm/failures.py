@@ -39,7 +39,9 @@ _PERMISSION = (
 _JOB_NOT_FOUND = ("invalid job id specified", "invalid job id:")
 _BAD_REQUEST = (
     "invalid",
-    "unexpected message received",  # 22.05: updating ExcNodeList of a job that already runs
+    # 22.05 without slurmdbd: any update of a job that lost a node (slurmctld waits 5 s for a
+    # db_index that never comes; scontrol gives up after MessageTimeout). docs/slurm.md.
+    "unexpected message received",
     "already completing or completed",
     "no longer pending",
     "not available",

@@ -59,6 +59,9 @@ class RecordingSlurm:
     def requeue(self, job_id: str, exclude: Sequence[str] | None = None) -> None:
         self._call("requeue", job_id, *([",".join(exclude)] if exclude is not None else []))
 
+    def set_excluded_nodes(self, job_id: str, nodes: Sequence[str]) -> None:
+        self._call("set_excluded_nodes", job_id, ",".join(nodes))
+
     def cancel(self, job_id: str) -> None:
         self._call("cancel", job_id)
 
@@ -177,13 +180,28 @@ def test_slurm_down_fails_one_action_and_the_next_still_runs(
 
 
 def test_requeue_excludes_the_nodes_in_one_client_call(database: Database, run_id: str) -> None:
-    # The client's requeue with `exclude` holds the job while it changes ExcNodeList: a plain
-    # requeue followed by an update could lose the race with the job starting again.
+    # The client sets ExcNodeList as the requeued job completes (it cannot start before).
     slurm = RecordingSlurm()
     Executor(database, slurm).execute(  # type: ignore[arg-type]
         [v.RequeueJob(run_id, "no spare", job_id="7", exclude=frozenset({"n3", "n1"}))]
     )
     assert slurm.calls == [("requeue", "7", "n1,n3")]
+
+
+def test_a_waiting_jobs_excluded_nodes_are_set_only_on_the_runs_own_job(
+    database: Database, run_id: str
+) -> None:
+    others = {"8": JobInfo("8", JobState.PENDING, comment="slurmft-run:r1", user_id=15002)}
+    slurm = RecordingSlurm(jobs=others)
+    outcomes = Executor(database, slurm).execute(  # type: ignore[arg-type]
+        [
+            v.ExcludeFromJob(run_id, "keep n2 out", job_id="7", nodes=frozenset({"n2", "n9"})),
+            v.ExcludeFromJob(run_id, "keep n2 out", job_id="8", nodes=frozenset({"n2"})),
+        ]
+    )
+    assert slurm.calls == [("set_excluded_nodes", "7", "n2,n9")]
+    assert [o.status for o in outcomes] == [ActionStatus.DONE, ActionStatus.SKIPPED]
+    assert [a[0] for a in _actions(database)][:2] == [ActionKind.EXCLUDE_NODES] * 2
 
 
 def test_a_job_slurm_says_is_not_the_runs_is_never_requeued_or_cancelled(

@@ -316,13 +316,14 @@ def node_kill_inside_the_same_step(cluster: Cluster, job: Job, steps: int) -> No
 
 
 def test_no_spare_left_a_dead_store_relaunches_on_the_healthy_nodes(
-    cluster: Cluster, tmp_path: Path, free_port: int
+    cluster: Cluster, tmp_path: Path, free_port: int, slurmd_timeout_60: None
 ) -> None:
     """A node is lost and the spare takes its place (no spare left), then the store dies, which
     ends the agent step: the batch step relaunches it on the three healthy nodes, without the
     lost one, and training resumes. The store dies before Slurm has marked the lost node DOWN,
     while the ended step still holds the healthy nodes' CPUs (srun --overlap), and no two agent
-    steps ever run on one node at once."""
+    steps ever run on one node at once. SlurmdTimeout=60 keeps that order: with the suite's 5 s,
+    a loaded machine let Slurm mark the node DOWN before the spare had taken over."""
     job = submit(cluster, tmp_path, free_port)
     killed: list[str] = []
     try:

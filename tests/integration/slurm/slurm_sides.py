@@ -79,9 +79,10 @@ class RecordedSlurm:
         self.runner.at(*self.ALWAYS, *names)
 
     def running_job(self) -> RunningJob:
-        # While it ran: both queries, its batch host, and what a requeue without n2 answered.
+        # While it ran: both queries, its batch host, and what a requeue and the update of its
+        # excluded nodes (to n2) answered.
         self._at("show_job_running", "squeue_many", "show_node_allocated",
-                 "requeue_hold", "update_exclude_held", "release")  # fmt: skip
+                 "requeue", "update_exclude_held")  # fmt: skip
         job_id = job_id_of(load_recording("show_job_running"))
         comment = next(a for a in load_recording("sbatch_parsable").argv if "--comment=" in a)
         others = [job for job in jobs_asked(load_recording("squeue_many")) if job != job_id]

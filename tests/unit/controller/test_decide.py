@@ -15,6 +15,7 @@ from slurmft.controller.views import (
     ClusterView,
     DrainNode,
     EvictNode,
+    ExcludeFromJob,
     ExcludeNode,
     FinishRun,
     GpuFault,
@@ -85,6 +86,8 @@ def _summary(actions: list[Action]) -> list[tuple[str, str]]:
             detail = a.state.value
         elif isinstance(a, RequeueJob | SubmitAttempt):
             detail = ",".join(sorted(a.exclude))
+        elif isinstance(a, ExcludeFromJob):
+            detail = ",".join(sorted(a.nodes))
         out.append((type(a).__name__, detail))
     return out
 
@@ -118,6 +121,14 @@ def _agents(**ago: float) -> tuple[AgentSeen, ...]:
     return tuple(AgentSeen(n.name, NOW - timedelta(seconds=ago.get(n.name, 1.0))) for n in _nodes())
 
 
+def _exclusion_key(job_id: str, nodes: set[str]) -> str:
+    """The key the exclusion of `nodes` from a waiting job is recorded under."""
+    view = _view(_run(job=JobView(job_id, JobPhase.WAITING), excluded=frozenset(nodes)))
+    (action,) = decide(view, POLICY)
+    assert isinstance(action, ExcludeFromJob)
+    return str(action.evidence["key"])
+
+
 # n3's agent (its worker with it) has not reported for 90 s while the others report every
 # second; its slurmd still answers, so Slurm calls the node fine.
 FROZEN_NODE = {"beats": _beats(r2={"ago": 90.0}), "agents": _agents(n3=90.0)}
@@ -148,6 +159,37 @@ CASES = [
             )
         ),
         [("RecordEvent", "node_lost@n2"), ("ExcludeNode", "n2")],
+    ),
+    (
+        "requeued job waits: the run's removed nodes and the denylist go into its ExcNodeList",
+        _view(
+            _run(job=JobView("101", JobPhase.WAITING), excluded=frozenset({"n2", "n3"})),
+            denylist=frozenset({"n9"}),
+        ),
+        [("ExcludeFromJob", "n2,n3,n9")],
+    ),
+    (
+        "waiting job whose ExcNodeList was set for these nodes: nothing more",
+        _view(
+            _run(
+                job=JobView("101", JobPhase.WAITING),
+                excluded=frozenset({"n2"}),
+                reported=frozenset({_exclusion_key("101", {"n2", "n9"})}),
+            ),
+            denylist=frozenset({"n9"}),
+        ),
+        [],
+    ),
+    (
+        "waiting job set for fewer nodes than the run has removed now: set again",
+        _view(
+            _run(
+                job=JobView("101", JobPhase.WAITING),
+                excluded=frozenset({"n2", "n3"}),
+                reported=frozenset({_exclusion_key("101", {"n2"})}),
+            )
+        ),
+        [("ExcludeFromJob", "n2,n3")],
     ),
     (
         "active node lost: record, exclude; the spare joins",

@@ -129,10 +129,32 @@ def test_permission_denied_is_typed() -> None:
         client.drain("n5", "x")
 
 
-def test_requeue_with_excluded_nodes_holds_updates_and_releases(replay: Replay) -> None:
-    client, runner = replay("show_job_running", "requeue_hold", "update_exclude_held", "release")
-    client.requeue(job_id_of(load_recording("requeue_hold")), exclude=["n2"])
-    assert [call[1] for call in runner.calls] == ["--oneliner", "requeuehold", "update", "release"]
+def test_requeue_with_excluded_nodes_requeues_then_sets_them(replay: Replay) -> None:
+    client, runner = replay("show_job_running", "requeue", "update_exclude_held")
+    client.requeue(job_id_of(load_recording("requeue")), exclude=["n2"])
+    assert [call[1] for call in runner.calls] == ["--oneliner", "requeue", "update"]
+
+
+def test_an_exclusion_slurm_refuses_does_not_undo_the_requeue() -> None:
+    """22.05 refuses every update of a job that lost a node: the requeue stands (never a hold
+    that could not be released), and the exclusion is left to the daemon's next passes."""
+    refused = load_recording("update_exclude_shrunk")
+    job_id = job_id_of(load_recording("requeue_shrunk"))
+
+    class ShrunkJob(ReplayRunner):
+        def run(self, argv, timeout, *, stdin=None):  # type: ignore[no-untyped-def]
+            self.calls.append(tuple(argv))
+            if argv[1] == "update":
+                assert tuple(argv) == refused.argv
+                return refused
+            if argv[1] == "requeue":
+                return load_recording("requeue_shrunk")
+            return load_recording("show_job_running")  # the restart count, unused on success
+
+    runner = ShrunkJob([])
+    CliSlurmClient(runner).requeue(job_id, exclude=refused.argv[-1].split("=")[1].split(","))
+    assert [call[1] for call in runner.calls] == ["--oneliner", "requeue", "update"]
+    assert "Unexpected message received" in refused.stderr and refused.returncode == 1
 
 
 class RequeueAnswersAnError(ReplayRunner):
@@ -161,43 +183,3 @@ def test_a_requeue_slurm_carried_out_is_done_though_scontrol_failed() -> None:
 def test_a_requeue_that_did_not_happen_still_fails() -> None:
     with pytest.raises(SlurmBadRequest, match="Unexpected message"):
         CliSlurmClient(RequeueAnswersAnError(carried_out=False)).requeue("14")
-
-
-def test_a_failed_requeuehold_still_releases_the_job() -> None:
-    """scontrol failed the requeuehold, and the restart count had not risen yet, but Slurm had
-    held the job (seen on the six-loss run: it never ran again): release it anyway."""
-    job_id = job_id_of(load_recording("requeue_hold"))
-
-    class HoldAnswersAnError(ReplayRunner):
-        def run(self, argv, timeout, *, stdin=None):  # type: ignore[no-untyped-def]
-            self.calls.append(tuple(argv))
-            if argv[1] == "requeuehold":
-                return CommandResult(tuple(argv), 1, "", "scontrol: Unexpected message received\n")
-            return load_recording("release" if argv[1] == "release" else "show_job_running")
-
-    runner = HoldAnswersAnError([])
-    with pytest.raises(SlurmBadRequest, match="Unexpected message"):
-        CliSlurmClient(runner).requeue(job_id, exclude=["n6"])
-    assert [call[1] for call in runner.calls] == [
-        "--oneliner",
-        "requeuehold",
-        "--oneliner",
-        "release",
-    ]
-
-
-def test_requeue_releases_the_job_even_when_the_update_fails() -> None:
-    job_id = job_id_of(load_recording("requeue_hold"))
-    failed_update = load_recording("update_exclude_running")
-
-    class UpdateFails(ReplayRunner):
-        def run(self, argv, timeout, *, stdin=None):  # type: ignore[no-untyped-def]
-            self.calls.append(tuple(argv))
-            if argv[1] == "update":
-                return failed_update
-            return load_recording("release" if argv[1] == "release" else "requeue_hold")
-
-    runner = UpdateFails([])
-    with pytest.raises(SlurmBadRequest):
-        CliSlurmClient(runner).requeue(job_id, exclude=["n6"])
-    assert runner.calls[-1] == ("scontrol", "release", job_id)
