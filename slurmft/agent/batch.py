@@ -1,7 +1,7 @@
 """The batch step's plan (pure): the job script, the agent step's srun line, and what to do when
 an agent step ends. Effects live in batch_step.py.
 
-Facts behind the flags (../shared/notes/local-slurm.md):
+Facts behind the flags (docs/measured/local-slurm.md):
 - `srun --no-kill`: without it Slurm kills every agent of the step when it marks a dead node
   DOWN, which at a real site (SlurmdTimeout 300 s) is minutes after the spare took over.
 - `--kill-on-bad-exit=0`: a site's KillOnBadExit=1 would end the step when one agent leaves.

@@ -1,6 +1,6 @@
 """The torchrun command line and environment an agent runs (pure; golden-tested).
 
-Every value here is a measured choice (../shared/notes/torchrun.md):
+Every value here is a measured choice (docs/measured/torchrun.md):
 - c10d rendezvous on the batch step's standalone store (`is_host=false`): an agent-hosted store
   dies with its node and takes every agent with it.
 - `--nnodes=N:N`: exactly N nodes train; agents beyond N wait in the rendezvous redundancy list

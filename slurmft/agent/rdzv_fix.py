@@ -1,6 +1,6 @@
 """The fix for torch's wait-list restart loop, behind a version gate.
 
-Defect (torch 2.13, measured in ../shared/notes/torchrun.md): when more agents are alive than
+Defect (torch 2.13, measured in docs/measured/torchrun.md): when more agents are alive than
 `max_nodes` (two spares, or a worker crash whose agent survives while a spare exists), agents
 leaving round N rejoin through the *wait list* while round N is still complete. When the next
 round fills, the leftover agent stays in `wait_list` for good, `num_nodes_waiting() > 0`, and

@@ -1,6 +1,6 @@
 """The controller's policy: observations in, actions out. Pure: no clock, no I/O.
 
-The recovery ladder (DESIGN.md): workers restart in place (torchrun does it) → a spare replaces
+The recovery ladder (docs/design.md): workers restart in place (torchrun does it) → a spare replaces
 a lost or excluded node in the same allocation → the batch step relaunches on the healthy nodes
 → the job is requeued without the bad nodes → a new job is submitted when the old one cannot be
 requeued → a crash loop stops. This module decides the steps that need the cluster view; the

@@ -4,7 +4,7 @@ and the real local cluster (marked `slurm`). The same assertions run against bot
 (slurm_sides.py), so the fake the unit tests use cannot drift from the real commands; the tests
 below the contract need the real cluster alone.
 
-Measured facts behind these tests: shared/notes/local-slurm.md (SlurmdTimeout=5,
+Measured facts behind these tests: docs/measured/local-slurm.md (SlurmdTimeout=5,
 MessageTimeout=2: a killed node is NOT_RESPONDING after ~5 s and DOWN after ~10 s).
 """
 
