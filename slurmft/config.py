@@ -312,8 +312,10 @@ class DaemonSection(Section):
 
     agents_url: str = setting_field(
         "",
-        "The URL agents on compute nodes report to, e.g. http://login1:8787. Empty: the ingest "
-        "endpoint as bound (daemon.ingest_listen), which suits a single machine.",
+        "The URL agents on compute nodes report to, e.g. http://login1:8787. Empty: "
+        "agent.controller_url, else the ingest endpoint as bound (daemon.ingest_listen; a "
+        "wildcard bind is named by this host's fully qualified name). The daemon refuses to start "
+        "with a URL that names no host, or a loopback one while a node's NodeAddr is another host.",
     )
     ingest_listen: str = setting_field(
         "127.0.0.1:8787", "host:port where the daemon receives agent reports over HTTP."

@@ -1,12 +1,13 @@
 """Shared test policy.
 
 Tests that need a real component (the local Slurm cluster, PostgreSQL, torch, the two test
-users of `scripts/test-users`, an NVIDIA GPU) carry a marker. Where the component is absent they
-are skipped in a developer's ad-hoc run, but `scripts/test` (and so CI) sets
-SLURMFT_TEST_REQUIRE=slurm,postgres,torch,users, which turns every such skip into a failure: the
-real-component tests always run in CI. The `gpu` tests are the exception: CI has no GPU, so they
-skip there and run where a driver is (SLURMFT_TEST_REQUIRE=gpu on such a machine makes a missing
-driver a failure). Each is the real half of a contract whose fake half runs everywhere.
+users of `scripts/test-users`, network namespaces, an NVIDIA GPU) carry a marker. Where the
+component is absent they are skipped in a developer's ad-hoc run, but `scripts/test` (and so CI)
+sets SLURMFT_TEST_REQUIRE=slurm,postgres,torch,users,netns, which turns every such skip into a
+failure: the real-component tests always run in CI. The `gpu` tests are the exception: CI has no
+GPU, so they skip there and run where a driver is (SLURMFT_TEST_REQUIRE=gpu on such a machine
+makes a missing driver a failure). Each is the real half of a contract whose fake half runs
+everywhere.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from slurm_clusters import xdist_worker_index
 from unix_users import TestUsers, make_test_users, missing_users
 
-COMPONENTS = ("slurm", "postgres", "torch", "users", "gpu")
+COMPONENTS = ("slurm", "postgres", "torch", "users", "netns", "gpu")
 
 REQUIRED = {
     name.strip() for name in os.environ.get("SLURMFT_TEST_REQUIRE", "").split(",") if name.strip()
@@ -52,6 +53,10 @@ def _available(component: str) -> tuple[bool, str]:
             return False, "the multi-user tests need root (they switch to the test users)"
         missing = missing_users()
         return not missing, f"no test users {', '.join(missing)} (run: scripts/test-users up)"
+    if component == "netns":
+        if os.geteuid() != 0:
+            return False, "the network-namespace tests need root (ip netns)"
+        return shutil.which("ip") is not None, "no `ip` command (apt-get install iproute2)"
     if component == "gpu":
         return _nvidia_gpu()
     raise ValueError(component)
@@ -87,6 +92,7 @@ def require(component: str) -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "users: needs the test users (scripts/test-users up)")
+    config.addinivalue_line("markers", "netns: needs root and iproute2 (network namespaces)")
     use_the_workers_cluster()
 
 

@@ -36,6 +36,12 @@ from slurmft.config import Config, ConfigError
 from slurmft.controller import views as v
 from slurmft.controller.act import Executor, Outcome
 from slurmft.controller.admins import Admins
+from slurmft.controller.agents_url import (
+    choose_agents_url,
+    is_local_address,
+    is_loopback_host,
+    unreachable_because,
+)
 from slurmft.controller.bounded import ServerLimits
 from slurmft.controller.decide import Policy, decide
 from slurmft.controller.health import OPS_LIMITS, LoopLiveness, OpsServer, check_health
@@ -54,6 +60,7 @@ from slurmft.db import Database, DatabaseUnavailable
 from slurmft.db.models import ActionStatus
 from slurmft.db.retention import fold_step_times, prune_heartbeat_samples
 from slurmft.slurm import CliSlurmClient, SlurmClient
+from slurmft.slurm.api import SlurmError
 from slurmft.slurm.runner import SubprocessRunner
 
 log = logging.getLogger(__name__)
@@ -287,12 +294,17 @@ class Daemon:
             on_connection_refused=self.refusals.connection_hook("ingest"),
             rate_limits=RateLimits.from_settings(daemon),
         ).start()
+        try:
+            agents_url = self._agents_url()
+        except ConfigError:
+            self._ingest.stop()
+            raise
         self._rpc = RpcServer(
             self.config.runtime_dir / SOCKET_NAME,
             operations(
                 self.database,
                 slurm=self.slurm,
-                controller_url=self._agents_url(),
+                controller_url=agents_url,
                 admins=Admins(self.config.settings.daemon.admin_group),
                 ca_file=daemon.agents_ca_file,
                 quota=RunQuota.from_settings(daemon),
@@ -380,9 +392,23 @@ class Daemon:
         )
 
     def _agents_url(self) -> str:
-        """The URL agents on compute nodes report to: `daemon.agents_url`, else the ingest
-        endpoint as bound (fine when it listens on an address the nodes can reach)."""
-        return self.settings.daemon.agents_url or self.ingest_url
+        """The URL agents on compute nodes report to (slurmft.controller.agents_url); a URL
+        they could not reach is a ConfigError naming the setting to set."""
+        chosen = choose_agents_url(
+            self.settings.daemon.agents_url, self.settings.agent.controller_url, self.ingest_url
+        )
+        try:
+            addresses: dict[str, str] | None = self.slurm.node_addresses()
+        except SlurmError as error:
+            addresses = None
+            log.warning("Slurm did not list the nodes (%s): %s is not checked", error, chosen.url)
+        refusal = unreachable_because(
+            chosen, addresses, is_local=is_local_address, is_loopback=is_loopback_host
+        )
+        if refusal is not None:
+            raise ConfigError(refusal)
+        log.info("agents report to %s (from %s)", chosen.url, chosen.source)
+        return chosen.url
 
     @property
     def ingest_url(self) -> str:

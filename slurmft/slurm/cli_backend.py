@@ -84,6 +84,10 @@ class CliSlurmClient:
             raise SlurmBadRequest(f"scontrol printed nothing for node {name}")
         return parse.node_from_scontrol(records[0])
 
+    def node_addresses(self) -> dict[str, str]:
+        records = parse.parse_scontrol_records(self._run(commands.show_nodes_argv()).stdout)
+        return {r["NodeName"]: r.get("NodeAddr") or r["NodeName"] for r in records}
+
     def batch_host_down(self, job_id: str) -> bool:
         job = self.job(job_id)
         if not job.holds_nodes_now or not job.batch_host:

@@ -104,6 +104,11 @@ def show_node_argv(name: str) -> list[str]:
     return ["scontrol", "--oneliner", "show", "node", check_node_name(name)]
 
 
+def show_nodes_argv() -> list[str]:
+    """Every node of the cluster, one record per line (NodeAddr is not in sinfo's format)."""
+    return ["scontrol", "--oneliner", "show", "node"]
+
+
 def drain_argv(node: str, reason: str) -> list[str]:
     return _update_node(node, "DRAIN", reason)
 
