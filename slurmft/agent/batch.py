@@ -20,19 +20,23 @@ import json
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from datetime import datetime
 from enum import IntEnum
 from pathlib import Path
 from typing import Any
 
 from slurmft.config import PolicySection
 from slurmft.core.budget import Restart, RestartBudget, progress_label
+from slurmft.core.checkpoints import Checkpoint
 from slurmft.core.exits import StepOutcome
-from slurmft.core.kinds import FaultClass
+from slurmft.core.kinds import EventKind, FaultClass
+from slurmft.protocol import AgentEvent
 from slurmft.slurm.api import NodeInfo, SubmitRequest
 from slurmft.slurm.hostlist import compress
 from slurmft.slurm.script import render_batch_script
 
 STATE_FILE = "slurmft-batch-state.json"
+MAX_REPORTED_PATH = 512  # a checkpoint's path as the daemon stores it, cut to this
 SRUN_IMMEDIATE_S = 60
 
 
@@ -269,6 +273,22 @@ def checkpoint_label(name: str) -> str:
     reports get (`step-000000010` -> `step 10`), so the two compare equal."""
     step = checkpoint_step(name)
     return name if step is None else progress_label(step)
+
+
+def file_checkpoint_event(found: Checkpoint, at: datetime) -> AgentEvent:
+    """What the batch step tells the daemon of a complete checkpoint the script wrote itself:
+    no `step` (that is for the ranks' verified checkpoints), its place in time instead."""
+    return AgentEvent(
+        kind=EventKind.CHECKPOINT,
+        occurred_at=at.timestamp(),
+        message=f"checkpoint {found.label}",
+        details={
+            "layout": found.layout,
+            "path": found.path[:MAX_REPORTED_PATH],
+            "ordinal": found.ordinal,
+            "label": found.label[:MAX_REPORTED_PATH],
+        },
+    )
 
 
 class Move(IntEnum):

@@ -45,8 +45,7 @@ from slurmft.agent.batch import (
     Move,
     StepOutcomes,
     after_step,
-    checkpoint_label,
-    checkpoint_step,
+    file_checkpoint_event,
     newest_checkpoint,
     srun_argv,
     usable_nodes,
@@ -54,9 +53,10 @@ from slurmft.agent.batch import (
 from slurmft.agent.sightings import charge_step, read_step
 from slurmft.agent.store import StoreSupervisor, check_store_host
 from slurmft.core.budget import RestartBudget, Seen, Sighting
+from slurmft.core.checkpoints import CheckpointWatch
 from slurmft.core.exits import BatchExit
 from slurmft.core.kinds import NodeRole
-from slurmft.protocol import AllocationMember, AllocationReport
+from slurmft.protocol import AgentEvent, AllocationMember, AllocationReport
 from slurmft.slurm.api import SignalTarget, SlurmClient, SlurmError
 
 log = logging.getLogger("slurmft.batch")
@@ -111,6 +111,7 @@ class BatchStep:
         stop_grace_s: float = 20.0,
         give_up_grace_s: float = GIVE_UP_GRACE_S,
         report_allocation: Callable[[AllocationReport], None] | None = None,
+        report_event: Callable[[AgentEvent], None] | None = None,
     ):
         self.spec, self.client, self.job_id = spec, client, job_id
         self.store_host = store_host
@@ -128,8 +129,10 @@ class BatchStep:
         self.step_stopped_at: datetime | None = None  # agents leave on the batch step's stop
         self.step_spent: RestartBudget | None = None  # the first spent budget of the step
         self.step_spent_at = 0.0
-        self.checkpoint_seen = ""
+        self.checkpoints = CheckpointWatch(spec.ckpt_dir)
+        self.checkpoint_seen = ""  # the label of the newest checkpoint noted
         self.report_allocation = report_allocation  # to the daemon (its reporter); None: none
+        self.report_event = report_event
         self.reported_nodes: tuple[str, ...] | None = None
         self.unsaved: str | None = None  # why the last state could not be saved, until it is
 
@@ -201,7 +204,7 @@ class BatchStep:
                 self.usable(),
                 self.spec,
                 self.state.budget,
-                checkpoint_label(newest_checkpoint(self.spec.ckpt_dir)),
+                self._note_checkpoint(),
                 outcomes,
             )
             self._keep(replace(self.state, budget=decision.budget).noted(decision.reason))
@@ -310,14 +313,22 @@ class BatchStep:
             self.unsaved = None
         return True
 
-    def _note_checkpoint(self) -> None:
-        """A checkpoint published under the checkpoint directory is progress even where the
-        script reports none (a plain torchrun script)."""
-        name = newest_checkpoint(self.spec.ckpt_dir)
-        step = checkpoint_step(name)
-        if step is not None and name != self.checkpoint_seen:
-            self.checkpoint_seen = name
-            self.step_seen.append(Sighting(Seen.CHECKPOINT, datetime.now(UTC), step=step))
+    def _note_checkpoint(self) -> str:
+        """A complete checkpoint under the checkpoint directory is progress even where the
+        script reports none (slurmft.core.checkpoints: any script's layout); the daemon is
+        told of one the ranks did not report. Returns its label ("" before any)."""
+        found = self.checkpoints.poll()
+        if found is None:
+            return ""
+        if found.label != self.checkpoint_seen:
+            self.checkpoint_seen = found.label
+            at = datetime.now(UTC)
+            self.step_seen.append(
+                Sighting(Seen.CHECKPOINT, at, step=found.ordinal, label=found.label)
+            )
+            if found.layout != "slurmft" and self.report_event is not None:
+                self.report_event(file_checkpoint_event(found, at))
+        return found.label
 
     def _note_removed(self, nodes: Sequence[str], alive: set[str]) -> None:
         """Nodes of the step that Slurm took away (or that were cordoned): as in the daemon, a

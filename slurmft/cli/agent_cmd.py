@@ -230,6 +230,7 @@ def batch(  # noqa: PLR0917 (typer: one parameter per option)
         job_id,
         host,
         report_allocation=reporter.report_allocation if reporter else None,
+        report_event=reporter.add_event if reporter else None,
     )
     signal.signal(signal.SIGUSR1, lambda *_: step.request_save_and_requeue())
     if reporter is not None:

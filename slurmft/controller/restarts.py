@@ -53,7 +53,9 @@ def _recorded_restarts(session: Session, run_id: str) -> dict[str, tuple[FaultCl
 
 
 def _progress(session: Session, run_id: str, since: datetime) -> Sighting | None:
-    """The first report of the newest checkpoint step reported since ``since``."""
+    """The first report of the newest checkpoint reported since ``since``: the ranks' verified
+    checkpoints (a `step`); where there are none, the complete files the batch step found
+    (an `ordinal`, slurmft.core.checkpoints), the same rule as the batch step's."""
     rows = session.execute(
         select(Event.recorded_at, Event.details)
         .where(
@@ -64,12 +66,24 @@ def _progress(session: Session, run_id: str, since: datetime) -> Sighting | None
         )
         .order_by(Event.recorded_at, Event.id)
     ).all()
+    verified = [(at, d["step"], "") for at, d in rows if _int(d, "step") is not None]
+    files = [(at, d["ordinal"], str(d.get("label") or "")) for at, d in rows if _file(d)]
     best: Sighting | None = None
-    for at, details in rows:
-        step = details.get("step") if isinstance(details, dict) else None
-        if isinstance(step, int) and (best is None or step > best.step):
-            best = Sighting(Seen.CHECKPOINT, at, step=step)
+    for at, step, label in verified or files:
+        if best is None or step > best.step:
+            best = Sighting(Seen.CHECKPOINT, at, step=step, label=label)
     return best
+
+
+def _int(details: object, key: str) -> int | None:
+    value = details.get(key) if isinstance(details, dict) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _file(details: object) -> bool:
+    """A checkpoint the batch step found on disk (slurmft.agent.batch.file_checkpoint_event)."""
+    has_layout = isinstance(details, dict) and "layout" in details
+    return has_layout and _int(details, "ordinal") is not None
 
 
 def _restarts(session: Session, run_id: str, since: datetime) -> list[Sighting]:

@@ -182,7 +182,8 @@ class Sighting:
     agent: str = ""  # FAILURE, RESTART: the reporting agent
     rank: int = -1  # FAILURE: the reporting rank (an agent may hold several)
     round: str = ""  # FAILURE, RESTART: the rendezvous round it ended, when known (round_key)
-    step: int = -1  # CHECKPOINT: the global step it holds
+    step: int = -1  # CHECKPOINT: the global step it holds (for a file, its place in time)
+    label: str = ""  # CHECKPOINT: how it reads as progress, when not `progress_label(step)`
 
 
 @dataclass(frozen=True)
@@ -301,12 +302,13 @@ def budget_from_history(
     """The run's budget after everything it went through, in time order: the restarts
     (`charged_restarts`), and checkpoints as progress. ``start``: what was charged before
     these sightings (the batch step's count from earlier agent steps and requeues)."""
-    checkpoints = sorted((s.at, s.step) for s in sightings if s.kind is Seen.CHECKPOINT)
+    checkpoints = sorted((s.at, s.step, s.label) for s in sightings if s.kind is Seen.CHECKPOINT)
     budget = start or RestartBudget(max_restarts_without_progress=max_restarts_without_progress)
     restarts = charged_restarts(sightings, group_s=group_s, cause_window_s=cause_window_s)
     for restart in restarts:
-        steps = [step for when, step in checkpoints if when <= restart.at]
-        progress = progress_label(max(steps)) if steps else None
+        held = [(step, label) for when, step, label in checkpoints if when <= restart.at]
+        newest = max(held) if held else None
+        progress = (newest[1] or progress_label(newest[0])) if newest else None
         budget = budget.charge(
             Restart(restart.cause, node_removed=restart.node_removed, progress=progress)
         )

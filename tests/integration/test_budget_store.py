@@ -84,6 +84,45 @@ def test_restarts_are_counted_once_per_round_and_reset_by_a_newer_checkpoint(
     assert _budget(database) == (1, newer)
 
 
+def _file_checkpoint(database: Database, at: datetime, name: str, mtime_s: int) -> None:
+    """What the batch step reports of a checkpoint a plain script wrote (file_checkpoint_event)."""
+    from slurmft.agent.batch import file_checkpoint_event
+    from slurmft.core.checkpoints import Checkpoint
+
+    event = file_checkpoint_event(Checkpoint(name, "file", mtime_s * 10**9), at)
+    _report(database, EventKind.CHECKPOINT, at, **event.details)
+
+
+def test_a_plain_scripts_newer_checkpoint_file_resets_the_count_as_a_verified_one_would(
+    database: Database, seed_run: Callable[..., None]
+) -> None:
+    seed_run(database, "r1", job_id="7")
+    start = utcnow()
+    _file_checkpoint(database, start, "plain-000005.pt", 1_000)
+    for i in range(3):
+        _restart_everywhere(database, start + timedelta(seconds=20 * (i + 1)))
+    assert _budget(database) == (3, start)
+    again = start + timedelta(seconds=70)
+    _file_checkpoint(database, again, "plain-000005.pt", 1_000)  # the same file: no progress
+    assert _budget(database)[0] == 3
+    newer = start + timedelta(seconds=80)
+    _file_checkpoint(database, newer, "plain-000010.pt", 2_000)
+    assert _budget(database) == (0, newer)
+
+
+def test_file_checkpoints_are_ignored_for_a_run_whose_ranks_report_verified_ones(
+    database: Database, seed_run: Callable[..., None]
+) -> None:
+    seed_run(database, "r1", job_id="7")
+    start = utcnow()
+    _report(database, EventKind.CHECKPOINT, start, step=5)
+    for i in range(2):
+        _restart_everywhere(database, start + timedelta(seconds=20 * (i + 1)))
+    _file_checkpoint(database, start + timedelta(seconds=50), "extra.pt", 9_000)
+    _restart_everywhere(database, start + timedelta(seconds=60))
+    assert _budget(database) == (3, start)
+
+
 def test_reports_naming_a_round_count_once_per_round_however_they_interleave(
     database: Database, seed_run: Callable[..., None]
 ) -> None:
