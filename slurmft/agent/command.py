@@ -60,6 +60,8 @@ AGENT_SOCKET_ENV = "SLURMFT_AGENT_SOCKET"
 STACKS_DIR_ENV = "SLURMFT_STACKS_DIR"
 # Touching this file asks every rank for a coordinated save at the next step boundary.
 SAVE_REQUEST_FILE_ENV = "SLURMFT_SAVE_REQUEST_FILE"
+# The run's checkpoint directory, for any script (the batch step exports it to the job's steps).
+CKPT_DIR_ENV = "SLURMFT_CKPT_DIR"
 
 FASTEST_RDZV_POLL_S = 0.1
 # Nodes whose agents, polling at torch's own 1 s, put the most polling the store is to carry.

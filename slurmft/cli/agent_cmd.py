@@ -196,6 +196,7 @@ def batch(  # noqa: PLR0917 (typer: one parameter per option)
     """The batch step: host the store, run and relaunch the agent step, requeue, keep the budget."""
     from slurmft.agent.batch import BatchSpec
     from slurmft.agent.batch_step import BatchStep, store_address
+    from slurmft.agent.command import CKPT_DIR_ENV
     from slurmft.slurm.cli_backend import CliSlurmClient
 
     config = state(ctx).config
@@ -216,6 +217,8 @@ def batch(  # noqa: PLR0917 (typer: one parameter per option)
     job_id = os.environ.get("SLURM_JOB_ID", "")
     if not job_id:
         raise ConfigError("`slurmft agent batch` runs inside a Slurm batch job (no SLURM_JOB_ID)")
+    # srun passes the batch step's environment on: every agent, torchrun and rank gets it.
+    os.environ[CKPT_DIR_ENV] = ckpt_dir
     slurm = config.settings.slurm
     client = CliSlurmClient(slurm_conf=slurm.conf or None, timeout_s=slurm.command_timeout_s)
     try:

@@ -31,12 +31,21 @@ from torch import nn
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--ckpt-dir", required=True)
+    # slurmft exports SLURMFT_CKPT_DIR (the run's checkpoint directory) to every rank.
+    ckpt_dir = os.environ.get("SLURMFT_CKPT_DIR")
+    p.add_argument("--ckpt-dir", required=ckpt_dir is None, default=ckpt_dir)
     p.add_argument("--out-dir", required=True)
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--ckpt-every", type=int, default=5)
     p.add_argument("--work-ms", type=float, default=0.0, help="simulated compute per step")
     p.add_argument("--pg-timeout-s", type=float, default=30.0)
+    p.add_argument(
+        "--crash-every",
+        type=int,
+        default=0,
+        help="rank 0 exits with an error at every N-th step (after saving it, when that step "
+        "saves; never at the step it resumed from): a script that keeps crashing",
+    )
     return p.parse_args(argv)
 
 
@@ -76,6 +85,7 @@ def main(argv: list[str] | None = None) -> None:
         "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
         "step": step,
         "slurmft": loaded,
+        "ckpt_dir_env": os.environ.get("SLURMFT_CKPT_DIR"),
     }
     append(out_dir / "starts.jsonl", start)  # one short line: an atomic append
 
@@ -101,6 +111,9 @@ def main(argv: list[str] | None = None) -> None:
                 partial = ckpt_dir / f".plain-{step:09d}.tmp"
                 torch.save({**state, "step": step}, partial)
                 os.replace(partial, ckpt_dir / f"plain-{step:09d}.pt")
+            if args.crash_every and step % args.crash_every == 0 and step < args.steps:
+                print(f"plain.py: crashing at step {step} (--crash-every)", flush=True)
+                os._exit(3)
     dist.barrier()
     dist.destroy_process_group()
 
