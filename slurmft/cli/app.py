@@ -15,6 +15,7 @@ from slurmft.cli import (
     db_cmd,
     gpu_cmd,
     history_cmd,
+    nodes_cmd,
     report_cmd,
     runs_cmd,
     submit_cmd,
@@ -34,6 +35,7 @@ app.add_typer(config_cmd.app, name="config")
 app.add_typer(db_cmd.app, name="db")
 app.add_typer(history_cmd.app, name="history")
 app.add_typer(gpu_cmd.app, name="gpu")
+app.add_typer(nodes_cmd.app, name="nodes")
 runs_cmd.register(app)
 daemon_cmd.register(app)
 submit_cmd.register(app)

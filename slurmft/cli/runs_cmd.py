@@ -16,7 +16,7 @@ JSON = Annotated[bool, typer.Option("--json", help="Machine-readable output.")]
 RUN = Annotated[str, typer.Argument(help="Run id (see `slurmft runs`).")]
 
 
-def _ask(ctx: typer.Context, op: str, **args: Any) -> Any:
+def ask(ctx: typer.Context, op: str, **args: Any) -> Any:
     # The socket client (and its socketserver) is loaded by a command that asks, not by every
     # `slurmft` start.
     from slurmft.controller.rpc import SOCKET_NAME, call
@@ -26,7 +26,7 @@ def _ask(ctx: typer.Context, op: str, **args: Any) -> Any:
 
 def runs(ctx: typer.Context, as_json: JSON = False) -> None:
     """List your runs, newest first."""
-    rows = _ask(ctx, "runs")
+    rows = ask(ctx, "runs")
     if as_json:
         echo_json(rows)
         return
@@ -42,7 +42,7 @@ def runs(ctx: typer.Context, as_json: JSON = False) -> None:
 
 def status(ctx: typer.Context, run_id: RUN, as_json: JSON = False) -> None:
     """One run: its state, Slurm job, excluded nodes and the latest actions with reasons."""
-    data = _ask(ctx, "status", run_id=run_id)
+    data = ask(ctx, "status", run_id=run_id)
     if as_json:
         echo_json(data)
         return
@@ -67,7 +67,7 @@ def events(
     as_json: JSON = False,
 ) -> None:
     """What happened to a run (events) and what slurmft did about it (actions)."""
-    data = _ask(ctx, "events", run_id=run_id, limit=limit)
+    data = ask(ctx, "events", run_id=run_id, limit=limit)
     if as_json:
         echo_json(data)
         return
@@ -80,7 +80,7 @@ def events(
 
 def cancel(ctx: typer.Context, run_id: RUN) -> None:
     """Cancel a run: the daemon cancels its Slurm job and ends the run."""
-    _ask(ctx, "cancel", run_id=run_id)
+    ask(ctx, "cancel", run_id=run_id)
     typer.echo(f"cancel requested for {run_id}; `slurmft status {run_id}` shows when it ended")
 
 

@@ -309,6 +309,7 @@ class Daemon:
                 ca_file=daemon.agents_ca_file,
                 quota=RunQuota.from_settings(daemon),
                 on_refusal=self.metrics.count_refusal,
+                lemon_min_runs=self.settings.trust.lemon_min_runs,
             ),
             limits=self._limits(
                 daemon.socket_max_connections,

@@ -16,10 +16,11 @@ from typing import Any
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from slurmft.config import DaemonSection
+from slurmft.config import DaemonSection, TrustSection
 from slurmft.controller.admins import ROOT_ONLY, Admins
 from slurmft.controller.ingest import new_run_token, record_refusal
 from slurmft.controller.limits import AuditThrottle
+from slurmft.controller.node_ops import NodeOps
 from slurmft.controller.resubmit import SubmissionError, check_record
 from slurmft.controller.rpc import Operation, RpcError
 from slurmft.controller.spec import RunSpec
@@ -241,6 +242,7 @@ def operations(
     ca_file: str = "",
     quota: RunQuota | None = None,
     on_refusal: Callable[[str], None] | None = None,
+    lemon_min_runs: int = TrustSection.lemon_min_runs,
 ) -> dict[str, Operation]:
     """The daemon's user-facing operations, bound to its store, to Slurm (to check what users
     claim about jobs), to who its admins are and, for new runs, to the URL its agents report
@@ -321,6 +323,7 @@ def operations(
                 run.cancel_requested_at = utcnow()
             return {"run_id": run.id, "cancel_requested": True}
 
+    nodes = NodeOps(database, slurm, admins, lemon_min_runs, _user_name)
     return {
         "runs": runs,
         "status": status,
@@ -329,4 +332,5 @@ def operations(
         "create_run": create_run,
         "attach_job": attach_job,
         "fail_run": fail_run,
+        **nodes.operations(),
     }
