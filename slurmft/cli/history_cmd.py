@@ -7,8 +7,19 @@ from typing import Annotated
 import typer
 
 from slurmft.cli.context import echo_json, state
+from slurmft.cli.runs_cmd import ask
 from slurmft.db.history import HISTORY_VIEWS, read_view
 from slurmft.errors import SlurmftError
+
+# Admins, the daemon's user or a database role: read the store itself, not through the daemon.
+STORE = Annotated[
+    bool,
+    typer.Option(
+        "--store",
+        help="Read the store directly (for whoever may: admins, the daemon's user, a database "
+        "role) instead of asking the daemon.",
+    ),
+]
 
 app = typer.Typer(
     help="Failure history from the store's SQL views: "
@@ -18,20 +29,25 @@ app = typer.Typer(
 
 
 @app.command("show")
-def show(
+def show(  # noqa: PLR0917 (typer: one parameter per option)
     ctx: typer.Context,
     view: Annotated[str, typer.Argument(help="One of: " + ", ".join(HISTORY_VIEWS))],
     run: Annotated[str | None, typer.Option("--run", help="Only this run (run views).")] = None,
     limit: Annotated[int | None, typer.Option("--limit", min=1, help="At most N rows.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+    store: STORE = False,
 ) -> None:
-    """Print one failure-history view."""
+    """Print one failure-history view. Asked of the daemon: a run view shows your own runs
+    (an admin's, every run); the node and fault-class views are the same for everyone."""
     if view not in HISTORY_VIEWS:
         raise SlurmftError(f"unknown view {view!r}; choose one of: {', '.join(HISTORY_VIEWS)}")
-    database = state(ctx).database()
-    database.require_current()
-    with database.session() as session:
-        rows = read_view(session, view, run_id=run, limit=limit)
+    if store:
+        database = state(ctx).database()
+        database.require_current()
+        with database.session() as session:
+            rows = read_view(session, view, run_id=run, limit=limit)
+    else:
+        rows = ask(ctx, "history", view=view, run_id=run, limit=limit)["rows"]
     if as_json:
         echo_json(rows)
         return

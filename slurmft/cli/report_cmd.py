@@ -1,7 +1,8 @@
 """`slurmft report RUN`: the straggler picture of a run, or its numbers with --json.
 
-It reads the store directly, like `slurmft history`: it is for whoever may read the store (the
-daemon's user, an admin, a database role for the ML team), not routed through the daemon.
+The daemon reads the store for the caller (their own runs; an admin's, every run) and sends the
+numbers; the picture is drawn here. `--store` reads the store directly, for whoever may (the
+daemon's user, an admin, a database role for the ML team).
 """
 
 from __future__ import annotations
@@ -12,10 +13,12 @@ from typing import Annotated
 import typer
 
 from slurmft.cli.context import echo_json, state
+from slurmft.cli.history_cmd import STORE
+from slurmft.cli.runs_cmd import ask
 from slurmft.report import DEFAULT_MAX_COLUMNS
 
 
-def report(
+def report(  # noqa: PLR0917 (typer: one parameter per option)
     ctx: typer.Context,
     run_id: Annotated[str, typer.Argument(help="Run id (see `slurmft runs`).")],
     out: Annotated[
@@ -28,17 +31,22 @@ def report(
     max_columns: Annotated[
         int, typer.Option("--max-columns", min=10, help="Bin a long run into this many columns.")
     ] = DEFAULT_MAX_COLUMNS,
+    store: STORE = False,
 ) -> None:
     """Per-rank step times: a ranks x steps heat map of own compute time over the median band,
     with stragglers, hangs, restarts and the controller's actions marked."""
     cli = state(ctx)
-    database = cli.database()
-    database.require_current()
-    from slurmft.report.steps import load_step_picture  # the store's queries: SQLAlchemy
+    from slurmft.report.steps import StepPicture, load_step_picture
 
-    with database.session() as session:
-        picture = load_step_picture(session, run_id, max_columns=max_columns)
-    database.dispose()
+    if store:
+        database = cli.database()
+        database.require_current()
+        with database.session() as session:
+            picture = load_step_picture(session, run_id, max_columns=max_columns)
+        database.dispose()
+    else:
+        answer = ask(ctx, "report", run_id=run_id, max_columns=max_columns)
+        picture = StepPicture.from_json(answer)
     if as_json:
         echo_json(picture.to_json())
         return

@@ -18,6 +18,7 @@ from sqlalchemy.orm import Session
 
 from slurmft.config import DaemonSection, TrustSection
 from slurmft.controller.admins import ROOT_ONLY, Admins
+from slurmft.controller.history_ops import history_operations
 from slurmft.controller.ingest import new_run_token, record_refusal
 from slurmft.controller.limits import AuditThrottle
 from slurmft.controller.node_ops import NodeOps
@@ -333,4 +334,5 @@ def operations(
         "attach_job": attach_job,
         "fail_run": fail_run,
         **nodes.operations(),
+        **history_operations(database, admins),
     }

@@ -6,6 +6,7 @@ and reads them, so `slurmft history` and a person at a SQL prompt see the same r
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
@@ -61,25 +62,40 @@ class UnknownView(KeyError):
 
 
 def read_view(
-    session: Session, name: str, *, run_id: str | None = None, limit: int | None = None
+    session: Session,
+    name: str,
+    *,
+    run_id: str | None = None,
+    limit: int | None = None,
+    only_runs: Collection[str] | None = None,
 ) -> list[dict[str, Any]]:
-    """Rows of one history view as plain dicts (timestamps as ISO strings)."""
+    """Rows of one history view as plain dicts (timestamps as ISO strings). ``only_runs``: a
+    run view's rows of these runs only (a user's own, when the daemon answers for them)."""
     view = HISTORY_VIEWS.get(name)
     if view is None:
         raise UnknownView(name)
+    from sqlalchemy import bindparam, text  # `slurmft history --help` lists views without it
+
     # The view name and ORDER BY come from the fixed table above, never from the caller.
     sql = f"SELECT * FROM {view.name}"
     params: dict[str, Any] = {}
+    where = []
     if run_id is not None and view.has_run:
-        sql += " WHERE run_id = :run_id"
+        where.append("run_id = :run_id")
         params["run_id"] = run_id
+    if only_runs is not None and view.has_run:
+        where.append("run_id IN :only_runs")
+        params["only_runs"] = sorted(only_runs) or [""]
+    if where:
+        sql += " WHERE " + " AND ".join(where)
     sql += f" ORDER BY {view.order_by}"
     if limit is not None:
         sql += " LIMIT :limit"
         params["limit"] = limit
-    from sqlalchemy import text  # `slurmft history --help` lists the views without SQLAlchemy
-
-    result = session.execute(text(sql), params)
+    statement = text(sql)
+    if only_runs is not None and view.has_run:
+        statement = statement.bindparams(bindparam("only_runs", expanding=True))
+    result = session.execute(statement, params)
     return [{key: _plain(value) for key, value in row.items()} for row in result.mappings()]
 
 

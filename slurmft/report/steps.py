@@ -82,6 +82,27 @@ class StepPicture:
         data["flagged_ranks"] = self.flagged_ranks
         return data
 
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> StepPicture:
+        """`to_json`'s output back (the daemon sends it; the client draws it)."""
+
+        def marks(items: list[dict[str, Any]]) -> list[Mark]:
+            return [Mark(**{**m, "ranks": tuple(m.get("ranks", ()))}) for m in items]
+
+        return cls(
+            run_id=data["run_id"],
+            ranks=list(data["ranks"]),
+            columns=[(int(a), int(b)) for a, b in data["columns"]],
+            compute_s=[list(row) for row in data["compute_s"]],
+            median_s=list(data["median_s"]),
+            band_low_s=list(data["band_low_s"]),
+            band_high_s=list(data["band_high_s"]),
+            slowdown={int(k): float(v) for k, v in data["slowdown"].items()},
+            nodes={int(k): v for k, v in data["nodes"].items()},
+            flags=marks(data["flags"]),
+            actions=marks(data["actions"]),
+        )
+
 
 def load_step_picture(
     session: Session, run_id: str, *, max_columns: int = DEFAULT_MAX_COLUMNS

@@ -70,7 +70,7 @@ def test_db_commands_and_history(
 ) -> None:
     code, _, err = _run_cli(capsys, "db", "check")
     assert code == 1 and "run `slurmft db upgrade`" in err
-    code, _, err = _run_cli(capsys, "history", "show", "node_lemons")
+    code, _, err = _run_cli(capsys, "history", "show", "node_lemons", "--store")
     assert code == 1 and "run `slurmft db upgrade`" in err
 
     code, out, _ = _run_cli(capsys, "db", "upgrade")
@@ -89,11 +89,11 @@ def test_db_commands_and_history(
         s.add(Event(run_id="r1", kind=EventKind.GPU_FAULT, node="n4", xid=79,
                     fault_class=FaultClass.HARDWARE, time_lost_s=90.0))
     database.dispose()
-    code, out, _ = _run_cli(capsys, "history", "show", "failures_by_node", "--json")
+    code, out, _ = _run_cli(capsys, "history", "show", "failures_by_node", "--json", "--store")
     assert code == 0
     rows = json.loads(out)
     assert [(r["node"], r["xid"], r["failures"]) for r in rows] == [("n4", 79, 1)]
-    code, out, _ = _run_cli(capsys, "history", "show", "run_failures", "--run", "r1")
+    code, out, _ = _run_cli(capsys, "history", "show", "run_failures", "--run", "r1", "--store")
     assert code == 0 and "llama" in out and "90.000" in out
     code, _, err = _run_cli(capsys, "history", "show", "nope")
     assert code == 1 and "choose one of" in err

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,7 @@ from slurmft.db.models import (
     StepTime,
     StepTimeMinute,
 )
-from slurmft.report.steps import NoStepTimes, load_step_picture
+from slurmft.report.steps import NoStepTimes, StepPicture, load_step_picture
 
 pytest.importorskip("matplotlib", reason="the report extra (pip install 'slurmft[report]')")
 
@@ -188,7 +189,7 @@ def test_folded_minutes_fill_in_older_steps(store: Database) -> None:
 def test_cli_json_and_png(store: Database, tmp_path: Path) -> None:
     runner = CliRunner()
     url = f"database.url={store.url.render_as_string(hide_password=False)}"
-    result = runner.invoke(app, ["--set", url, "report", "rs", "--json"])
+    result = runner.invoke(app, ["--set", url, "report", "rs", "--json", "--store"])
     assert result.exit_code == 0, result.output
     data = json.loads(result.output)
     assert data["flagged_ranks"] == [SLOW_RANK]
@@ -196,7 +197,7 @@ def test_cli_json_and_png(store: Database, tmp_path: Path) -> None:
     assert len(data["compute_s"]) == RANKS and len(data["compute_s"][0]) == STEPS
 
     out = tmp_path / "picture.png"
-    result = runner.invoke(app, ["--set", url, "report", "rs", "--out", str(out)])
+    result = runner.invoke(app, ["--set", url, "report", "rs", "--out", str(out), "--store"])
     assert result.exit_code == 0, result.output
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert f"flagged ranks: {SLOW_RANK}" in result.output
@@ -258,3 +259,12 @@ def test_a_hang_leaves_a_hole_and_a_restart_a_line(store: Database, tmp_path: Pa
     assert np.allclose(hole, matplotlib.colors.to_rgb(MISSING_COLOUR), atol=0.02), hole
     lines = [line.get_xdata()[0] for line in heat.get_lines() if line.get_linestyle() == ":"]
     assert restart.column in lines
+
+
+def test_the_numbers_the_daemon_sends_draw_the_same_picture(store: Database) -> None:
+    """`slurmft report` asks the daemon for the numbers (to_json) and draws them (from_json)."""
+    with store.session() as s:
+        picture = load_step_picture(s, "rs", max_columns=16)
+    sent = StepPicture.from_json(json.loads(json.dumps(picture.to_json())))
+    assert sent.slowdown == pytest.approx(picture.slowdown, abs=1e-4)
+    assert replace(sent, slowdown=picture.slowdown) == picture

@@ -307,3 +307,30 @@ def test_submit_into_a_linked_state_dir_is_refused_before_any_run(
     assert "is not a directory" in capsys.readouterr().err
     assert _run_ids(database) == before
     assert list((tmp_path / "theirs").iterdir()) == []
+
+
+def test_history_shows_each_user_their_own_runs_and_everyone_the_nodes(socket_path: Path) -> None:
+    def run_rows(uid: int | None) -> set[str]:
+        ask = (
+            (lambda **a: call(socket_path, "history", **a))
+            if uid is None
+            else (lambda **a: _call_as(uid, socket_path, "history", **a)["result"])
+        )
+        return {r["run_id"] for r in ask(view="run_failures")["rows"]}
+
+    assert run_rows(ALICE) == {"ra"} and run_rows(BOB) == {"rb"}
+    assert run_rows(None) == {"ra", "rb"}  # root: every run
+    nodes = _call_as(ALICE, socket_path, "history", view="failures_by_node")["result"]["rows"]
+    assert [(r["node"], r["failures"], r["runs"]) for r in nodes] == [("n2", 2, 2)]
+    hidden = _call_as(ALICE, socket_path, "history", view="run_failures", run_id="rb")
+    assert hidden == {"error": "no run rb visible to you (see `slurmft runs`)"}
+    assert "unknown view" in _call_as(ALICE, socket_path, "history", view="runs")["error"]
+
+
+def test_a_report_is_of_a_run_the_caller_may_see(socket_path: Path) -> None:
+    other = _call_as(ALICE, socket_path, "report", run_id="rb")
+    assert other == {"error": "no run rb visible to you (see `slurmft runs`)"}
+    own = _call_as(ALICE, socket_path, "report", run_id="ra")
+    assert "has no step times" in own["error"]  # hers: past the visibility check
+    bad = _call_as(ALICE, socket_path, "report", run_id="ra", max_columns=10**9)
+    assert "max_columns" in bad["error"]

@@ -115,4 +115,20 @@ def test_nodes_lists_drains_denylist_and_failures_and_only_admins_release(
         (ActionKind.DENYLIST_REMOVE, THEIRS, ActionStatus.DONE,
          "released by root: 0 denylist entries ended"),
     ]  # fmt: skip
+
+    # The failure history and a run's report, for an ordinary user, through the daemon.
+    cli = root_daemon.client_env()
+    views = {
+        view: run_slurmft(cli, "history", "show", view, "--json", as_user=test_users.alice)
+        for view in ("failures_by_node", "run_failures")
+    }
+    assert all(done.returncode == 0 for done in views.values()), views
+    assert [r["node"] for r in json.loads(views["failures_by_node"].stdout)] == [THEIRS]
+    assert json.loads(views["run_failures"].stdout) == []  # bob's run is not hers
+    bobs = json.loads(
+        run_slurmft(cli, "history", "show", "run_failures", "--json", as_user=test_users.bob).stdout
+    )
+    assert [r["run_id"] for r in bobs] == ["bobs-run"]
+    report = run_slurmft(cli, "report", "bobs-run", "--json", as_user=test_users.alice)
+    assert report.returncode != 0 and "no run bobs-run visible to you" in report.stderr
     database.dispose()
