@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 from enum import IntEnum
@@ -50,7 +50,9 @@ class BatchSpec:
     script: tuple[str, ...]  # after torchrun's flags: ("train.py", ...) or ("-m", "pkg", ...)
     ckpt_dir: str  # progress is a newer checkpoint here; the budget lives here across requeues
     store_port: int = 29400
-    nproc_per_node: int = 1
+    nproc_per_node: int | str = 1  # or "gpu": the GPUs Slurm gave each node's step
+    step_gres: str = ""  # the GRES each agent step asks for on each node, e.g. "gpu:8"
+    cpus_per_task: int | None = None  # the CPUs each agent (one task per node) gets
     max_restarts_without_progress: int = PolicySection.max_restarts_without_progress
     save_timeout_s: float = 120.0  # time limit: how long ranks get to save before the requeue
     slurmft: str = "slurmft"  # the slurmft executable on the compute nodes
@@ -72,6 +74,14 @@ class BatchSpec:
             argv.append(f"--outcome-dir={outcome_dir}")
         return [*argv, "--", *self.script]
 
+    def step_options(self) -> list[str]:
+        """What every agent step asks for beyond its nodes: GRES are never given to a step
+        implicitly (not even under --exclusive), so each step names them."""
+        options = [f"--gres={self.step_gres}"] if self.step_gres else []
+        if self.cpus_per_task:
+            options.append(f"--cpus-per-task={self.cpus_per_task}")
+        return options
+
     def batch_argv(self) -> list[str]:
         """The batch script's one command: `slurmft agent batch ...`."""
         argv = [
@@ -89,6 +99,10 @@ class BatchSpec:
         ]
         if self.token_file:
             argv.append(f"--token-file={self.token_file}")
+        if self.step_gres:
+            argv.append(f"--step-gres={self.step_gres}")
+        if self.cpus_per_task:
+            argv.append(f"--cpus-per-task={self.cpus_per_task}")
         return [*argv, "--", *self.script]
 
 
@@ -105,9 +119,11 @@ def submit_request(
     exclude: Sequence[str] = (),
     partition: str | None = None,
     output: str | None = None,
+    site: Mapping[str, Any] | None = None,
 ) -> SubmitRequest:
-    """`--no-kill --requeue`, and USR1 to the batch shell `save_lead_s` before the time limit."""
-    return SubmitRequest(
+    """`--no-kill --requeue`, and USR1 to the batch shell `save_lead_s` before the time limit;
+    ``site``: the run's site options (SubmitRequest's fields of that name)."""
+    request = SubmitRequest(
         script=job_script(spec),
         job_name=job_name,
         run_id=spec.run_id,
@@ -120,11 +136,15 @@ def submit_request(
         time_limit=time_limit,
         partition=partition,
         output=output,
+        cpus_per_task=spec.cpus_per_task,
     )
+    return replace(request, **dict(site or {}))
 
 
-def srun_argv(nodes: Sequence[str], agent_argv: Sequence[str]) -> list[str]:
-    """One agent per node, on exactly these nodes."""
+def srun_argv(
+    nodes: Sequence[str], agent_argv: Sequence[str], options: Sequence[str] = ()
+) -> list[str]:
+    """One agent per node, on exactly these nodes (``options``: `BatchSpec.step_options`)."""
     count = len(nodes)
     return [
         "srun",
@@ -136,6 +156,7 @@ def srun_argv(nodes: Sequence[str], agent_argv: Sequence[str]) -> list[str]:
         "--ntasks-per-node=1",
         f"--nodelist={compress(nodes)}",
         f"--immediate={SRUN_IMMEDIATE_S}",
+        *options,
         *agent_argv,
     ]
 

@@ -230,7 +230,8 @@ class BatchStep:
         self.step_before = self.state.budget
         self.step_seen, self.step_gone, self.step_stopped_at = [], set(), None
         self.step_spent = None
-        argv = srun_argv(nodes, self.spec.agent_argv(self.store_host, self.outcome_dir))
+        agent = self.spec.agent_argv(self.store_host, self.outcome_dir)
+        argv = srun_argv(nodes, agent, self.spec.step_options())
         step = subprocess.Popen(argv)
         next_check = time.monotonic() + self.poll_s
         while step.poll() is None:

@@ -8,6 +8,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -39,6 +40,25 @@ def _default_node_name() -> str:
     return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
 
 
+# `--nproc-per-node gpu`: as many workers as GPUs Slurm gave this node's step.
+NPROC_HELP = "Worker processes per node: a number, or gpu (the GPUs Slurm gave this node's step)."
+
+
+def resolve_nproc_per_node(value: str, environ: Mapping[str, str]) -> int:
+    """A number, or `gpu`: SLURM_GPUS_ON_NODE, which Slurm sets for a step given GPUs."""
+    if value == "gpu":
+        gpus = environ.get("SLURM_GPUS_ON_NODE", "")
+        if not gpus.isdigit() or int(gpus) < 1:
+            raise ConfigError(
+                "--nproc-per-node gpu: Slurm gave this step no GPUs (SLURM_GPUS_ON_NODE is "
+                f"{gpus or 'unset'}); submit with --gpus-per-node N, or give a number"
+            )
+        return int(gpus)
+    if not value.isascii() or not value.isdigit() or int(value) < 1:
+        raise ConfigError(f"--nproc-per-node {value!r}: a number of at least 1, or gpu")
+    return int(value)
+
+
 def _setup_logging(node: str, level: str) -> None:
     import logging
 
@@ -58,7 +78,7 @@ def run(  # noqa: PLR0917 (typer: one parameter per option)
     nodes: Annotated[int, typer.Option(help="Training nodes N (agents beyond N are spares).")],
     rdzv_endpoint: Annotated[str, typer.Option(help="host:port of the standalone store.")],
     run_id: Annotated[str, typer.Option(help="The run's id (also the rendezvous id).")],
-    nproc_per_node: Annotated[int, typer.Option(help="Worker processes per node.")] = 1,
+    nproc_per_node: Annotated[str, typer.Option(help=NPROC_HELP)] = "1",
     node_index: Annotated[
         int | None, typer.Option(help="This node's index in the step; default $SLURM_NODEID.")
     ] = None,
@@ -96,7 +116,7 @@ def run(  # noqa: PLR0917 (typer: one parameter per option)
     agent_section = config.settings.agent
     spec = TorchrunSpec(
         nodes=nodes,
-        nproc_per_node=nproc_per_node,
+        nproc_per_node=resolve_nproc_per_node(nproc_per_node, os.environ),
         rdzv_endpoint=rdzv_endpoint,
         rdzv_id=run_id,
         script=script,
@@ -186,7 +206,13 @@ def batch(  # noqa: PLR0917 (typer: one parameter per option)
     store_host: Annotated[
         str, typer.Option(help="This node's address on the job network; default: its host name's.")
     ] = "",
-    nproc_per_node: Annotated[int, typer.Option(help="Worker processes per node.")] = 1,
+    nproc_per_node: Annotated[str, typer.Option(help=NPROC_HELP)] = "1",
+    step_gres: Annotated[
+        str, typer.Option(help="GRES every agent step asks for on each node, e.g. gpu:8.")
+    ] = "",
+    cpus_per_task: Annotated[
+        int | None, typer.Option(help="CPUs each agent (one per node) gets.")
+    ] = None,
     max_restarts_without_progress: Annotated[
         int, typer.Option(help="The restart budget.")
     ] = PolicySection.max_restarts_without_progress,
@@ -209,6 +235,8 @@ def batch(  # noqa: PLR0917 (typer: one parameter per option)
         ckpt_dir=ckpt_dir,
         store_port=store_port,
         nproc_per_node=nproc_per_node,
+        step_gres=step_gres,
+        cpus_per_task=cpus_per_task,
         max_restarts_without_progress=max_restarts_without_progress,
         save_timeout_s=save_timeout_s,
         slurmft=sys.argv[0],

@@ -83,7 +83,13 @@ def submit(  # noqa: PLR0917 (typer: one parameter per option)
     ] = None,
     nodes: Annotated[int | None, typer.Option(help="Training nodes N.")] = None,
     spares: Annotated[int | None, typer.Option(help="Warm spare nodes S (default 1).")] = None,
-    nproc_per_node: Annotated[int | None, typer.Option(help="Processes per node.")] = None,
+    nproc_per_node: Annotated[
+        str | None,
+        typer.Option(
+            help="Worker processes per node: a number, or gpu (the GPUs Slurm gives each node). "
+            "Default: gpu when GPUs are asked for, else 1."
+        ),
+    ] = None,
     ckpt_dir: Annotated[
         str | None, typer.Option(help="Shared checkpoint directory (every node mounts it).")
     ] = None,
@@ -92,6 +98,27 @@ def submit(  # noqa: PLR0917 (typer: one parameter per option)
         str | None, typer.Option("--time", help="Slurm time limit, e.g. 2-00:00:00.")
     ] = None,
     partition: Annotated[str | None, typer.Option(help="Slurm partition.")] = None,
+    gpus_per_node: Annotated[
+        int | None,
+        typer.Option(help="GPUs per node (sbatch --gpus-per-node; every agent step too)."),
+    ] = None,
+    gres: Annotated[
+        str | None, typer.Option(help="Generic resources per node, e.g. gpu:a100:8.")
+    ] = None,
+    account: Annotated[str | None, typer.Option(help="Slurm account to charge.")] = None,
+    qos: Annotated[str | None, typer.Option(help="Slurm quality of service.")] = None,
+    constraint: Annotated[
+        str | None, typer.Option(help="Node features, e.g. a100&ib (sbatch --constraint).")
+    ] = None,
+    mem: Annotated[str | None, typer.Option(help="Memory per node, e.g. 500G (0: all).")] = None,
+    exclusive: Annotated[
+        bool | None,
+        typer.Option("--exclusive/--shared", help="Whole nodes only (sbatch --exclusive)."),
+    ] = None,
+    reservation: Annotated[str | None, typer.Option(help="Slurm reservation.")] = None,
+    cpus_per_task: Annotated[
+        int | None, typer.Option(help="CPUs for each node's agent and its workers.")
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
 ) -> None:
     """Submit a training run: `slurmft submit --nodes 3 --ckpt-dir /shared/ck -- train.py`."""
@@ -100,7 +127,7 @@ def submit(  # noqa: PLR0917 (typer: one parameter per option)
     from slurmft.controller.rpc import SOCKET_NAME, call
     from slurmft.errors import SlurmftError
 
-    options = {
+    options: dict[str, object] = {
         "nodes": nodes,
         "spares": spares,
         "nproc_per_node": nproc_per_node,
@@ -108,7 +135,18 @@ def submit(  # noqa: PLR0917 (typer: one parameter per option)
         "name": name,
         "time_limit": time_limit,
         "partition": partition,
+        "gpus_per_node": gpus_per_node,
+        "gres": gres,
+        "account": account,
+        "qos": qos,
+        "constraint": constraint,
+        "mem": mem,
+        "exclusive": exclusive,
+        "reservation": reservation,
+        "cpus_per_task": cpus_per_task,
     }
+    if nproc_per_node is not None and nproc_per_node.isascii() and nproc_per_node.isdigit():
+        options["nproc_per_node"] = int(nproc_per_node)
     spec = _spec_from(spec_file, list(script or []), options)
     from slurmft.core import torch_support
 
@@ -153,7 +191,9 @@ def _submit_job(
         spares=spec.spares,
         script=spec.script,
         ckpt_dir=spec.ckpt_dir,
-        nproc_per_node=spec.nproc_per_node,
+        nproc_per_node=spec.workers_per_node,
+        step_gres=spec.step_gres,
+        cpus_per_task=spec.cpus_per_task,
         store_port=0,  # the batch step takes a free port on its node
         max_restarts_without_progress=config.settings.policy.max_restarts_without_progress,
         slurmft=_slurmft_executable(),
@@ -170,6 +210,7 @@ def _submit_job(
         exclude=created["exclude"],
         partition=spec.partition,
         output=str(Path(spec.ckpt_dir) / TOKEN_DIR / "slurm-%j.out"),
+        site=spec.site_options(),
     )
     request = replace(request, script=job_script(batch, env))
     slurm = config.settings.slurm

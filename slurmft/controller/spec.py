@@ -8,11 +8,15 @@ from __future__ import annotations
 
 import re
 import tomllib
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from slurmft.errors import SlurmftError
+from slurmft.slurm.api import SlurmBadRequest
+from slurmft.slurm.script import check_constraint, check_gres, check_memory, check_slurm_name
 
 # Matched with fullmatch, in ASCII: `$` would take a name ending in a newline (it matches before
 # a final one), and `\d` would take any script's digits.
@@ -38,11 +42,23 @@ class RunSpec:
     script: tuple[str, ...]  # what follows torchrun's flags: ("train.py", ...) or ("-m", ...)
     ckpt_dir: str  # shared by every node; progress (and the batch step's budget) lives here
     spares: int = 1
-    nproc_per_node: int = 1
+    # A number, or "gpu": the GPUs Slurm gives each node's step. None: "gpu" when GPUs are
+    # asked for, else 1 (`workers_per_node`).
+    nproc_per_node: int | str | None = None
     time_limit: str | None = None  # Slurm's format: minutes, [D-]HH:MM[:SS]
     partition: str | None = None
     save_lead_s: int = 300  # the coordinated save starts this long before the time limit
     env: dict[str, str] = field(default_factory=dict)
+    # Site options: sbatch's, applied to the job, every agent step and every resubmission.
+    gpus_per_node: int | None = None
+    gres: str | None = None  # e.g. gpu:a100:8 (with gpus_per_node, that wins for the steps)
+    account: str | None = None
+    qos: str | None = None
+    constraint: str | None = None
+    mem: str | None = None  # per node, sbatch's --mem (e.g. 500G; 0: all of it)
+    exclusive: bool = False
+    reservation: str | None = None
+    cpus_per_task: int | None = None  # CPUs for each node's agent and its workers
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -62,11 +78,24 @@ class RunSpec:
             "spares",
             f"{_number(self.spares)}: 0 or more, at most {MAX_NODES} nodes with the training ones",
         )
+        nproc = self.nproc_per_node
         _check(
-            1 <= self.nproc_per_node <= MAX_NPROC_PER_NODE,
+            nproc in (None, "gpu") or (isinstance(nproc, int) and 1 <= nproc <= MAX_NPROC_PER_NODE),
             "nproc_per_node",
-            f"{_number(self.nproc_per_node)}: at least 1, at most {MAX_NPROC_PER_NODE}",
+            f"{_number(nproc) if isinstance(nproc, int) else repr(nproc)}: gpu, or a number "
+            f"from 1 to {MAX_NPROC_PER_NODE}",
         )
+        _check(
+            nproc != "gpu" or self.asks_for_gpus,
+            "nproc_per_node",
+            "gpu needs GPUs: add gpus_per_node (--gpus-per-node N) or a gpu gres",
+        )
+        for name in ("gpus_per_node", "cpus_per_task"):
+            count = getattr(self, name)
+            if count is not None:
+                _check(1 <= count <= MAX_NPROC_PER_NODE, name,
+                       f"{_number(count)}: from 1 to {MAX_NPROC_PER_NODE}")  # fmt: skip
+        self._check_site_options()
         _check(bool(self.script), "script", "missing: `slurmft submit ... -- train.py [args]`")
         _check(
             Path(self.ckpt_dir).is_absolute(),
@@ -83,6 +112,45 @@ class RunSpec:
             "save_lead_s",
             f"{_number(self.save_lead_s)}: 0 to {MAX_SAVE_LEAD_S} seconds",
         )
+
+    def _check_site_options(self) -> None:
+        checks: dict[str, Callable[[str], str]] = {
+            "gres": check_gres,
+            "account": partial(check_slurm_name, "account"),
+            "qos": partial(check_slurm_name, "QOS"),
+            "reservation": partial(check_slurm_name, "reservation"),
+            "constraint": check_constraint,
+            "mem": check_memory,
+        }
+        for name, check in checks.items():
+            value = getattr(self, name)
+            if value is not None:
+                try:
+                    check(value)
+                except SlurmBadRequest as error:
+                    raise SpecError(f"bad {name}: {error}") from None
+
+    @property
+    def asks_for_gpus(self) -> bool:
+        return bool(self.gpus_per_node) or (self.gres or "").split(":", 1)[0] == "gpu"
+
+    @property
+    def workers_per_node(self) -> int | str:
+        """torchrun's --nproc-per-node: a number, or gpu (resolved on each node)."""
+        if self.nproc_per_node is not None:
+            return self.nproc_per_node
+        return "gpu" if self.asks_for_gpus else 1
+
+    @property
+    def step_gres(self) -> str:
+        """What each agent step asks for on each node (GRES are not given to steps unasked)."""
+        return f"gpu:{self.gpus_per_node}" if self.gpus_per_node else self.gres or ""
+
+    def site_options(self) -> dict[str, Any]:
+        """The SubmitRequest fields of the job's site options."""
+        names = ("gpus_per_node", "gres", "account", "qos", "constraint", "mem", "exclusive",
+                 "reservation")  # fmt: skip
+        return {name: getattr(self, name) for name in names}
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -114,7 +182,10 @@ class RunSpec:
 _TYPES: dict[str, tuple[type, ...]] = {
     "str": (str,),
     "int": (int,),
+    "bool": (bool,),
     "str | None": (str, type(None)),
+    "int | None": (int, type(None)),
+    "int | str | None": (int, str, type(None)),
     "tuple[str, ...]": (tuple,),
     "dict[str, str]": (dict,),
 }

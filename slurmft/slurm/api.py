@@ -124,6 +124,15 @@ class SubmitRequest:
     partition: str | None = None
     ntasks_per_node: int | None = None
     cpus_per_task: int | None = None
+    # Site options (slurmft submit --gpus-per-node, --account, ...): the job's, and resubmitted.
+    gpus_per_node: int | None = None
+    gres: str | None = None
+    account: str | None = None
+    qos: str | None = None
+    constraint: str | None = None
+    mem: str | None = None
+    exclusive: bool = False
+    reservation: str | None = None
     output: str | None = None
     workdir: str | None = None
     # The daemon's action that submits this job (a resubmission): tagged in its comment.

@@ -69,10 +69,33 @@ def submit_argv(request: SubmitRequest) -> list[str]:
         argv.append(f"--ntasks-per-node={int(request.ntasks_per_node)}")
     if request.cpus_per_task:
         argv.append(f"--cpus-per-task={int(request.cpus_per_task)}")
+    argv += _site_options(request)
     if request.output:
         argv.append(f"--output={script.check_path(request.output)}")
     if request.workdir:
         argv.append(f"--chdir={script.check_path(request.workdir)}")
+    return argv
+
+
+def _site_options(request: SubmitRequest) -> list[str]:
+    argv = []
+    if request.gpus_per_node:
+        argv.append(f"--gpus-per-node={int(request.gpus_per_node)}")
+    if request.gres:
+        argv.append(f"--gres={script.check_gres(request.gres)}")
+    for flag, kind, value in (
+        ("--account", "account", request.account),
+        ("--qos", "QOS", request.qos),
+        ("--reservation", "reservation", request.reservation),
+    ):
+        if value:
+            argv.append(f"{flag}={script.check_slurm_name(kind, value)}")
+    if request.constraint:
+        argv.append(f"--constraint={script.check_constraint(request.constraint)}")
+    if request.mem:
+        argv.append(f"--mem={script.check_memory(request.mem)}")
+    if request.exclusive:
+        argv.append("--exclusive")
     return argv
 
 

@@ -25,6 +25,13 @@ _SIGNAL = re.compile(r"([BR]{1,2}:)?(SIG)?[A-Z0-9]{1,8}(@\d{1,6})?", re.ASCII)
 _TIME_LIMIT = re.compile(r"(UNLIMITED|INFINITE|\d+(-\d+)?(:\d+){0,2})", re.ASCII)
 _SIGNAL_NAME = re.compile(r"(SIG)?[A-Z0-9]{1,8}", re.ASCII)
 _PARTITION = re.compile(r"[A-Za-z0-9_.\-]{1,64}", re.ASCII)
+# Site options: what sbatch takes for each, restricted to the characters those values use.
+_GRES = re.compile(
+    r"[A-Za-z0-9_.\-]+(:[A-Za-z0-9_.\-]+){0,2}(,[A-Za-z0-9_.\-]+(:[A-Za-z0-9_.\-]+){0,2})*",
+    re.ASCII,
+)
+_CONSTRAINT = re.compile(r"[A-Za-z0-9_.\-&|,\[\]*:()!]{1,256}", re.ASCII)
+_MEMORY = re.compile(r"\d{1,12}[KMGT]?", re.ASCII)
 _COMMENT_PREFIX = "slurmft-run:"
 _ACTION_SEPARATOR = " "
 _ACTION_PREFIX = "slurmft-action:"
@@ -138,6 +145,34 @@ def check_partition(partition: str) -> str:
     if not _PARTITION.fullmatch(partition):
         raise SlurmBadRequest(f"bad partition name {partition!r}")
     return partition
+
+
+def check_slurm_name(kind: str, value: str) -> str:
+    """An account, QOS or reservation name."""
+    if not _PARTITION.fullmatch(value):
+        raise SlurmBadRequest(f"bad {kind} name {value!r}")
+    return value
+
+
+def check_gres(gres: str) -> str:
+    """`gpu:2`, `gpu:a100:8`, `gpu:2,nvme:1`."""
+    if len(gres) > 256 or not _GRES.fullmatch(gres):
+        raise SlurmBadRequest(f"bad GRES {gres!r} (expected e.g. gpu:2 or gpu:a100:8)")
+    return gres
+
+
+def check_constraint(constraint: str) -> str:
+    """A node-feature expression: `a100`, `a100&ib`, `[rack1|rack2]`."""
+    if not _CONSTRAINT.fullmatch(constraint):
+        raise SlurmBadRequest(f"bad constraint {constraint!r} (features joined by & | , [])")
+    return constraint
+
+
+def check_memory(memory: str) -> str:
+    """Memory per node: a number, optionally K, M, G or T (MB by default, as sbatch --mem)."""
+    if not _MEMORY.fullmatch(memory):
+        raise SlurmBadRequest(f"bad memory {memory!r} (expected e.g. 500G or 0 for all)")
+    return memory
 
 
 def check_path(path: str) -> str:

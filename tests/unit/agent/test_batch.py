@@ -6,6 +6,7 @@ import dataclasses
 import os
 import subprocess
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -87,6 +88,23 @@ def test_agent_step_srun_line() -> None:
         "--name",
         "it's $(rm -rf ~)",
     ]
+
+
+def test_every_agent_step_asks_for_the_gpus_and_cpus_of_its_node() -> None:
+    """GRES are not given to a step unasked (not even under --exclusive): each step names
+    them, and the batch script hands them to the batch step, which starts every step."""
+    gpu_spec = replace(SPEC, nproc_per_node="gpu", step_gres="gpu:8", cpus_per_task=96)
+    argv = srun_argv(["n1", "n2"], gpu_spec.agent_argv("10.0.0.1"), gpu_spec.step_options())
+    assert argv[9:11] == ["--gres=gpu:8", "--cpus-per-task=96"]
+    assert "--nproc-per-node=gpu" in argv
+    batch = gpu_spec.batch_argv()
+    assert {"--step-gres=gpu:8", "--cpus-per-task=96", "--nproc-per-node=gpu"} <= set(batch)
+    sbatch = submit_argv(
+        submit_request(
+            gpu_spec, job_name="slurmft-demo", site={"gpus_per_node": 8, "exclusive": True}
+        )
+    )
+    assert {"--gpus-per-node=8", "--exclusive", "--cpus-per-task=96"} <= set(sbatch)
 
 
 def node(name: str, state: str) -> NodeInfo:
@@ -334,7 +352,11 @@ def test_the_batch_step_reports_its_allocation_at_start_and_after_a_relaunch_els
     ]
     # On the wire, in the batch step's batch (the daemon checks it against Slurm).
     batch_json = AgentBatch(
-        run_id="r", agent_id="batch-step:7-x", node="n1", seq=1, sent_at=1.7e9,
+        run_id="r",
+        agent_id="batch-step:7-x",
+        node="n1",
+        seq=1,
+        sent_at=1.7e9,
         allocation=reports[0],
     ).to_json()
     assert AgentBatch.from_json(batch_json).allocation == reports[0]

@@ -16,8 +16,41 @@ GOOD = {
 
 def test_defaults_and_round_trip() -> None:
     spec = RunSpec.from_dict(GOOD)
-    assert (spec.spares, spec.nproc_per_node, spec.time_limit) == (1, 1, None)
+    assert (spec.spares, spec.workers_per_node, spec.time_limit) == (1, 1, None)
+    assert spec.step_gres == "" and not spec.asks_for_gpus
     assert RunSpec.from_dict(spec.to_dict()) == spec
+
+
+def test_site_options_are_kept_and_gpus_default_the_workers_to_one_per_gpu() -> None:
+    site = {
+        "gpus_per_node": 8, "account": "ml", "qos": "high", "constraint": "a100&ib",
+        "mem": "500G", "exclusive": True, "reservation": "maint", "cpus_per_task": 96,
+    }  # fmt: skip
+    spec = RunSpec.from_dict({**GOOD, **site})
+    assert spec.workers_per_node == "gpu" and spec.step_gres == "gpu:8"
+    assert spec.site_options() == {**{k: v for k, v in site.items() if k != "cpus_per_task"},
+                                   "gres": None}  # fmt: skip
+    assert RunSpec.from_dict(spec.to_dict()) == spec  # stored with the run, replayed as it is
+    typed = RunSpec.from_dict({**GOOD, "gres": "gpu:h100:4", "nproc_per_node": 2})
+    assert (typed.step_gres, typed.workers_per_node) == ("gpu:h100:4", 2)
+
+
+@pytest.mark.parametrize(
+    ("change", "needle"),
+    [
+        ({"nproc_per_node": "gpu"}, "gpu needs GPUs"),
+        ({"nproc_per_node": "four"}, "bad nproc_per_node"),
+        ({"gpus_per_node": 0}, "bad gpus_per_node"),
+        ({"gres": "gpu:2;id"}, "bad gres"),
+        ({"account": "a b"}, "bad account"),
+        ({"constraint": "a100$(id)"}, "bad constraint"),
+        ({"mem": "lots"}, "bad mem"),
+        ({"exclusive": "yes"}, "bad exclusive"),
+    ],
+)
+def test_bad_site_options_are_refused_before_slurm(change: dict[str, object], needle: str) -> None:
+    with pytest.raises(SpecError, match=needle):
+        RunSpec.from_dict({**GOOD, **change})
 
 
 @pytest.mark.parametrize(
@@ -33,7 +66,7 @@ def test_defaults_and_round_trip() -> None:
         ({"time_limit": "two days"}, "bad time_limit"),
         ({"name": "my run; rm -rf /"}, "bad name"),
         ({"env": {"A": 1}}, "bad env"),
-        ({"gpus": 8}, "unknown field 'gpus'"),
+        ({"gpus": 8}, "unknown field 'gpus'"),  # it is gpus_per_node
     ],
 )
 def test_bad_specs_name_the_field(change: dict[str, object], needle: str) -> None:

@@ -93,9 +93,41 @@ def test_submit_argv_every_option() -> None:
     ]
 
 
+def test_submit_argv_site_options() -> None:
+    """What a GPU site asks for; --qos and --reservation are checked here only (the local
+    cluster has no slurmdbd, so sbatch refuses both there)."""
+    argv = commands.submit_argv(
+        request(
+            gpus_per_node=8,
+            gres="nvme:1",
+            account="ml-team",
+            qos="high",
+            reservation="maint_2026",
+            constraint="a100&[rack1|rack2]",
+            mem="500G",
+            exclusive=True,
+        )
+    )
+    assert argv[7:] == [
+        "--gpus-per-node=8",
+        "--gres=nvme:1",
+        "--account=ml-team",
+        "--qos=high",
+        "--reservation=maint_2026",
+        "--constraint=a100&[rack1|rack2]",
+        "--mem=500G",
+        "--exclusive",
+    ]
+
+
 @pytest.mark.parametrize(
     "changes",
     [
+        {"gres": "gpu:2 --uid=0"},
+        {"account": "ml;id"},
+        {"qos": "--uid=0"},
+        {"constraint": "a100 --uid=0"},
+        {"mem": "500G --wrap=id"},
         {"job_name": "x'; rm -rf /"},
         {"job_name": "two\nlines"},
         {"job_name": "a|b"},
