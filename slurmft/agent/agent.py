@@ -300,9 +300,8 @@ class NodeAgent:
             return AgentExit.FINISHED
         if returncode == AgentExit.SPARE_REFUSED and self.settings.spec.spare_candidate:
             self.event(
-                EventKind.PREFLIGHT_FAILED,
+                EventKind.SPARE_REFUSED,
                 "spare refused: the wait-list fix does not know this torch",
-                fault_class=FaultClass.INFRASTRUCTURE,
             )
             return AgentExit.SPARE_REFUSED
         log.error("torchrun exited with %d", returncode)

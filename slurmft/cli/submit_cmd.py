@@ -62,6 +62,35 @@ def _spec_from(spec_file: Path | None, script: list[str], options: dict[str, Any
     return RunSpec.from_dict({"name": _default_name(script), "script": script, **fields})
 
 
+def _spec_file_sets(spec_file: Path | None, field: str) -> bool:
+    import tomllib
+
+    return spec_file is not None and field in tomllib.loads(spec_file.read_text())
+
+
+def _spares_for_this_torch(spec: RunSpec, *, explicit: bool) -> RunSpec:
+    """Hot spares need the wait-list fix, which knows only some torch releases: with another
+    torch a run asked for spares is refused, and one that took the default runs without."""
+    from dataclasses import replace
+
+    from slurmft.controller.spec import SpecError
+    from slurmft.core import torch_support
+
+    version = torch_support.installed_version()
+    if spec.spares and not torch_support.spares_work_with(version):
+        known = ", ".join(torch_support.patch(torch_support.WAIT_LIST_FIX).known)
+        why = f"hot spares need the wait-list fix, which knows torch {known}, not {version}"
+        if explicit:
+            raise SpecError(
+                f"spares = {spec.spares}: {why}; ask for 0 spares, or use torch {known}"
+            )
+        typer.echo(f"note: running without spares: {why}", err=True)
+        spec = replace(spec, spares=0)
+    for warning in torch_support.warnings_for(version, spec.spares):
+        typer.echo(warning, err=True)
+    return spec
+
+
 def _default_name(script: list[str]) -> str:
     """`train.py ...` -> train; `-m pkg.train ...` -> train. Characters a run name may not hold
     become `_`: the name is slurmft's choice, so it never is what the spec refuses."""
@@ -148,10 +177,8 @@ def submit(  # noqa: PLR0917 (typer: one parameter per option)
     if nproc_per_node is not None and nproc_per_node.isascii() and nproc_per_node.isdigit():
         options["nproc_per_node"] = int(nproc_per_node)
     spec = _spec_from(spec_file, list(script or []), options)
-    from slurmft.core import torch_support
-
-    for warning in torch_support.warnings_for(torch_support.installed_version(), spec.spares):
-        typer.echo(warning, err=True)
+    explicit_spares = spares is not None or _spec_file_sets(spec_file, "spares")
+    spec = _spares_for_this_torch(spec, explicit=explicit_spares)
     cli = state(ctx)
     # Refused before the run exists: a checkpoint directory whose .slurmft someone else made.
     check_state_dir(spec.ckpt_dir)

@@ -40,6 +40,9 @@ class EventKind(enum.StrEnum):
     STRAGGLER = "straggler"
     BATCH_HOST_DOWN = "batch_host_down"
     PREFLIGHT_FAILED = "preflight_failed"
+    # A spare that would not join: the wait-list fix does not know this torch. Not a failure
+    # of its node (never in the failure views, never lemon evidence).
+    SPARE_REFUSED = "spare_refused"
     CHANNEL_SILENT = "channel_silent"
     PREEMPTED = "preempted"
     TIME_LIMIT = "time_limit"

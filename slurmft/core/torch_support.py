@@ -104,6 +104,12 @@ def installed_version() -> str | None:
         return None
 
 
+def spares_work_with(version: str | None) -> bool:
+    """Whether hot spares can work with this torch: the wait-list fix knows its release series.
+    True when torch is not installed where `submit` runs (the agents check on the nodes)."""
+    return version is None or release_series(version) in patch(WAIT_LIST_FIX).known
+
+
 def warnings_for(version: str | None, spares: int) -> list[str]:
     """What `slurmft submit` tells a user about the torch their run will use: nothing for a
     version every patch was tested with, or when torch is not installed where submit runs (the

@@ -1,0 +1,61 @@
+"""Hot spares need the wait-list fix, which knows only some torch releases (torch_support)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from slurmft.agent.agent import AgentSettings, NodeAgent
+from slurmft.agent.command import TorchrunSpec
+from slurmft.agent.exits import AgentExit
+from slurmft.agent.probe import NoGpuProbe
+from slurmft.cli import submit_cmd
+from slurmft.controller.spec import RunSpec, SpecError
+from slurmft.core import torch_support
+from slurmft.core.kinds import EventKind
+
+REPO = Path(__file__).resolve().parents[3]
+SPEC = RunSpec(name="r", nodes=2, script=("train.py",), ckpt_dir="/shared/r", spares=1)
+
+
+def test_a_known_torch_keeps_its_spares(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch_support, "installed_version", lambda: "2.13.0+cpu")
+    assert submit_cmd._spares_for_this_torch(SPEC, explicit=True).spares == 1
+
+
+def test_another_torch_runs_without_the_default_spare(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(torch_support, "installed_version", lambda: "2.4.1")
+    assert submit_cmd._spares_for_this_torch(SPEC, explicit=False).spares == 0
+    assert "running without spares" in capsys.readouterr().err
+
+
+def test_another_torch_refuses_spares_asked_for(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch_support, "installed_version", lambda: "2.4.1")
+    with pytest.raises(SpecError, match=r"spares = 1: .*knows torch 2\.13, not 2\.4\.1"):
+        submit_cmd._spares_for_this_torch(SPEC, explicit=True)
+
+
+def test_no_torch_where_submit_runs_leaves_the_check_to_the_nodes() -> None:
+    assert torch_support.spares_work_with(None)
+
+
+def test_a_refused_spare_is_no_failure_of_its_node(tmp_path: Path) -> None:
+    """Its event is `spare_refused`, a kind the failure views never count (migration 0005's
+    FAILURE_KINDS): a refused spare never makes its node a lemon."""
+    spec = TorchrunSpec(nodes=1, nproc_per_node=1, rdzv_endpoint="127.0.0.1:1", rdzv_id="r",
+                        script=("train.py",), spare_candidate=True)  # fmt: skip
+    settings = AgentSettings(spec=spec, node="n2", run_id="r", work_dir=tmp_path / "w",
+                             controller_url="http://127.0.0.1:9")  # fmt: skip
+    node = NodeAgent(settings, NoGpuProbe())  # type: ignore[arg-type]
+    assert node._exit_code(int(AgentExit.SPARE_REFUSED)) is AgentExit.SPARE_REFUSED
+    assert node.reporter is not None
+    assert [(e.kind, e.fault_class) for e in node.reporter.buffer.events] == [
+        (EventKind.SPARE_REFUSED, None)
+    ]
+    migration = REPO / "migrations" / "versions" / "0005_foreign_evidence.py"
+    failure_kinds = migration.read_text().split("FAILURE_KINDS = (", 1)[1].split(")", 1)[0]
+    assert EventKind.SPARE_REFUSED.value not in failure_kinds
+    assert EventKind.PREFLIGHT_FAILED.value in failure_kinds  # the list the views count
