@@ -46,6 +46,9 @@ class InstantSlurm:
     def nodes(self, names: Sequence[str] = ()) -> dict[str, Any]:
         return {}
 
+    def node_addresses(self) -> dict[str, str]:  # asked once at start (agents_url)
+        return {}
+
 
 @dataclass
 class Message:
