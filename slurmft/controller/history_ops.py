@@ -3,8 +3,8 @@
 An ordinary user cannot read the daemon's store; the daemon reads it for them. A run view
 (`run_failures`, `run_restarts`, `run_effective_time`) shows a user their own runs' rows only,
 an admin every run's; the node and fault-class views hold no run and are the same for all. A
-report is of a run the caller may see (`slurmft status`'s rule). Admins, the daemon's user and
-a database role may still read the store directly (`--store`).
+report is of a run the caller may see (slurmft.controller.visibility, as for `slurmft status`).
+Admins, the daemon's user and a database role may still read the store directly (`--store`).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from sqlalchemy import select
 
 from slurmft.controller.admins import Admins
 from slurmft.controller.rpc import Operation, RpcError
+from slurmft.controller.visibility import visible_run
 from slurmft.db import Database
 from slurmft.db.history import HISTORY_VIEWS, read_view
 from slurmft.db.models import Run
@@ -35,7 +36,7 @@ def history_operations(database: Database, admins: Admins) -> dict[str, Operatio
         limit = _bounded(args.get("limit"), "limit", 1, MAX_HISTORY_ROWS, MAX_HISTORY_ROWS)
         with database.session() as session:
             if run_id is not None:
-                _check_visible(session.get(Run, run_id), uid, run_id, admins)
+                visible_run(session, uid, run_id, admins)
             own = None
             if uid not in admins:
                 own = set(session.scalars(select(Run.id).where(Run.owner_uid == uid)))
@@ -50,7 +51,7 @@ def history_operations(database: Database, admins: Admins) -> dict[str, Operatio
             args.get("max_columns"), "max_columns", 10, MAX_REPORT_COLUMNS, DEFAULT_MAX_COLUMNS
         )
         with database.session() as session:
-            _check_visible(session.get(Run, run_id), uid, run_id, admins)
+            visible_run(session, uid, run_id, admins)
             try:
                 picture = load_step_picture(session, run_id, max_columns=columns)
             except NoStepTimes as error:
@@ -58,11 +59,6 @@ def history_operations(database: Database, admins: Admins) -> dict[str, Operatio
         return picture.to_json()
 
     return {"history": history, "report": report}
-
-
-def _check_visible(run: Run | None, uid: int, run_id: str, admins: Admins) -> None:
-    if run is None or (uid != run.owner_uid and uid not in admins):
-        raise RpcError(f"no run {run_id} visible to you (see `slurmft runs`)")
 
 
 def _optional_text(value: object, name: str) -> str | None:

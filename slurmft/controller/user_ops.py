@@ -25,6 +25,7 @@ from slurmft.controller.node_ops import NodeOps
 from slurmft.controller.resubmit import SubmissionError, check_record
 from slurmft.controller.rpc import Operation, RpcError
 from slurmft.controller.spec import RunSpec
+from slurmft.controller.visibility import visible_run
 from slurmft.db import Database
 from slurmft.db.models import Action, ActionKind, Attempt, Event, Run, utcnow
 from slurmft.db.records import denied_nodes
@@ -32,15 +33,6 @@ from slurmft.db.states import RunState
 from slurmft.slurm.api import SlurmClient, SlurmError, SlurmJobNotFound
 from slurmft.slurm.commands import is_job_id
 from slurmft.slurm.script import not_the_runs_job
-
-
-def _visible(session: Session, uid: int, run_id: object, admins: Admins) -> Run:
-    if not isinstance(run_id, str):
-        raise RpcError("a run id is required")
-    run = session.get(Run, run_id)
-    if run is None or (uid != run.owner_uid and uid not in admins):
-        raise RpcError(f"no run {run_id} visible to you (see `slurmft runs`)")
-    return run
 
 
 def _latest_attempt(session: Session, run_id: str) -> Attempt | None:
@@ -136,10 +128,10 @@ def _attach_job(
         raise RpcError(f"not a Slurm job id: {job_id!r} (e.g. 1234, or 1234_5 for an array task)")
     submission = _submission_arg(args)
     with database.session() as session:
-        claimed = _visible(session, uid, args.get("run_id"), admins)
+        claimed = visible_run(session, uid, args.get("run_id"), admins)
     _slurm_says_is_the_runs(slurm, job_id, claimed)  # outside a transaction: Slurm may be slow
     with database.session() as session:
-        run = _visible(session, uid, claimed.id, admins)
+        run = visible_run(session, uid, claimed.id, admins)
         number = (_latest_attempt(session, run.id) or Attempt(number=0)).number + 1
         session.add(Attempt(run_id=run.id, number=number, slurm_job_id=job_id))
         if submission is not None:  # what a resubmission sends again (controller.resubmit)
@@ -259,7 +251,7 @@ def operations(
 
     def fail_run(uid: int, args: Mapping[str, Any]) -> dict[str, Any]:
         with database.session() as session:
-            run = _visible(session, uid, args.get("run_id"), admins)
+            run = visible_run(session, uid, args.get("run_id"), admins)
             if run.state is RunState.PENDING:
                 run.state = RunState.FAILED
                 run.end_reason = str(args.get("reason") or "submission failed")[:2000]
@@ -274,7 +266,7 @@ def operations(
 
     def status(uid: int, args: Mapping[str, Any]) -> dict[str, Any]:
         with database.session() as session:
-            run = _visible(session, uid, args.get("run_id"), admins)
+            run = visible_run(session, uid, args.get("run_id"), admins)
             recent = session.scalars(
                 select(Action).where(Action.run_id == run.id).order_by(Action.id.desc()).limit(10)
             ).all()
@@ -296,7 +288,7 @@ def operations(
         if not isinstance(limit, int) or limit < 1:
             raise RpcError("limit must be a positive whole number")
         with database.session() as session:
-            run = _visible(session, uid, args.get("run_id"), admins)
+            run = visible_run(session, uid, args.get("run_id"), admins)
             rows = session.scalars(
                 select(Event)
                 .where(Event.run_id == run.id)
@@ -317,7 +309,7 @@ def operations(
 
     def cancel(uid: int, args: Mapping[str, Any]) -> dict[str, Any]:
         with database.session() as session:
-            run = _visible(session, uid, args.get("run_id"), admins)
+            run = visible_run(session, uid, args.get("run_id"), admins)
             if run.state.is_terminal:
                 raise RpcError(f"run {run.id} already ended ({run.state.value})")
             if run.cancel_requested_at is None:
