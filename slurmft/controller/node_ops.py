@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from datetime import datetime
 from typing import Any
 
 from sqlalchemy import select, text
@@ -25,7 +24,7 @@ from slurmft.controller.observe import OWN_DRAIN_PREFIX, xid_history
 from slurmft.controller.rpc import Operation, RpcError
 from slurmft.db import Database
 from slurmft.db.models import Action, ActionKind, ActionStatus, DenylistEntry, Run, utcnow
-from slurmft.db.records import denylist_remove, finish_action, plan_action
+from slurmft.db.records import active_denylist, denylist_release, finish_action, plan_action
 from slurmft.gpu.lemons import judge_lemons
 from slurmft.slurm.api import NodeInfo, SlurmClient, SlurmError
 from slurmft.slurm.names import InvalidNodeName, check_node_name
@@ -47,7 +46,7 @@ class NodeOps:
             slurm, slurm_error = None, str(error)
         now = utcnow()
         with self.database.session() as session:
-            entries = _active_entries(session, now)
+            entries = active_denylist(session, now=now)
             owners = _owners(session, {e.run_id for e in entries if e.run_id})
             failures = _failures(session)
             verdicts = judge_lemons(
@@ -87,15 +86,7 @@ class NodeOps:
             raise RpcError(str(error)) from None
         who = self.user_name(uid)
         with self.database.session() as session:
-            ended = session.scalars(
-                select(DenylistEntry).where(
-                    DenylistEntry.node == node, DenylistEntry.removed_at.is_(None)
-                )
-            ).all()
-            runs = sorted({e.run_id for e in ended if e.run_id})
-            removed = denylist_remove(session, node) + sum(
-                denylist_remove(session, node, run_id=run) for run in runs
-            )
+            removed = denylist_release(session, node)
             reason = f"released by {who}: {removed} denylist entries ended"
             finish_action(
                 plan_action(session, ActionKind.DENYLIST_REMOVE, reason, node=node),
@@ -134,18 +125,6 @@ class NodeOps:
 
 
 _NO_FAILURES: dict[str, Any] = {"failures": 0, "hardware_failures": 0, "runs": 0, "last_at": None}
-
-
-def _active_entries(session: Session, now: datetime) -> list[DenylistEntry]:
-    return [
-        e
-        for e in session.scalars(
-            select(DenylistEntry)
-            .where(DenylistEntry.removed_at.is_(None))
-            .order_by(DenylistEntry.id)
-        )
-        if e.expires_at is None or e.expires_at > now
-    ]
 
 
 def _owners(session: Session, run_ids: set[str]) -> dict[str, int]:

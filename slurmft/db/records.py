@@ -183,11 +183,25 @@ def denylist_add(
 
 def denylist_remove(session: Session, node: str, *, run_id: str | None = None) -> int:
     """End the active entries for ``node`` (of one run, or the global ones); returns how many."""
-    entries = session.scalars(_active_for(node, run_id)).all()
+    return _end(session, _active_for(node, run_id))
+
+
+def denylist_release(session: Session, node: str) -> int:
+    """End every active entry for ``node``, of every run and of all runs; returns how many."""
+    return _end(session, _active(utcnow()).where(DenylistEntry.node == node))
+
+
+def _end(session: Session, entries: Select[DenylistEntry]) -> int:
     now = utcnow()
-    for entry in entries:
+    ended = session.scalars(entries).all()
+    for entry in ended:
         entry.removed_at = now
-    return len(entries)
+    return len(ended)
+
+
+def active_denylist(session: Session, *, now: datetime | None = None) -> list[DenylistEntry]:
+    """Every active entry (not removed, not expired), oldest first."""
+    return list(session.scalars(_active(now or utcnow()).order_by(DenylistEntry.id)))
 
 
 def denied_nodes(
