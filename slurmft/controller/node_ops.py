@@ -16,13 +16,14 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import select, text
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from slurmft.controller.admins import Admins
 from slurmft.controller.observe import OWN_DRAIN_PREFIX, xid_history
 from slurmft.controller.rpc import Operation, RpcError
 from slurmft.db import Database
+from slurmft.db.history import read_view
 from slurmft.db.models import Action, ActionKind, ActionStatus, DenylistEntry, Run, utcnow
 from slurmft.db.records import active_denylist, denylist_release, finish_action, plan_action
 from slurmft.gpu.lemons import judge_lemons
@@ -136,21 +137,15 @@ def _owners(session: Session, run_ids: set[str]) -> dict[str, int]:
 
 def _failures(session: Session) -> dict[str, dict[str, Any]]:
     """From the `node_lemons` view (docs/failure-history.md): the run's own evidence only."""
-    rows = session.execute(
-        text(
-            "SELECT node, position, failures, hardware_failures, runs, last_failure_at "
-            "FROM node_lemons"
-        )
-    ).all()
     return {
-        node: {
-            "position": position,
-            "failures": failures,
-            "hardware_failures": hardware,
-            "runs": runs,
-            "last_at": str(last) if last is not None else None,
+        row["node"]: {
+            "position": row["position"],
+            "failures": row["failures"],
+            "hardware_failures": row["hardware_failures"],
+            "runs": row["runs"],
+            "last_at": row["last_failure_at"],
         }
-        for node, position, failures, hardware, runs, last in rows
+        for row in read_view(session, "node_lemons")
     }
 
 
