@@ -142,13 +142,11 @@ def check_time_limit(limit: str) -> str:
 
 
 def check_partition(partition: str) -> str:
-    if not _PARTITION.fullmatch(partition):
-        raise SlurmBadRequest(f"bad partition name {partition!r}")
-    return partition
+    return check_slurm_name("partition", partition)
 
 
 def check_slurm_name(kind: str, value: str) -> str:
-    """An account, QOS or reservation name."""
+    """A partition, account, QOS or reservation name."""
     if not _PARTITION.fullmatch(value):
         raise SlurmBadRequest(f"bad {kind} name {value!r}")
     return value
