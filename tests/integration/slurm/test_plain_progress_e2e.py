@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from daemon_process import DaemonProcess, running_daemon
-from e2e_run import submit
+from e2e_run import SubmittedRun, submit
 from local_cluster import Cluster
 from slurm_clusters import REPO
 from support.waiting import wait_for_value
@@ -35,6 +35,28 @@ def daemon(tmp_path: Path) -> Iterator[DaemonProcess]:
         yield process
 
 
+def _crashing_run(
+    cluster: Cluster,
+    daemon: DaemonProcess,
+    tmp_path: Path,
+    name: str,
+    args: list[str],
+    *,
+    timeout_s: float,
+) -> SubmittedRun:
+    """plain.py crashing every CRASH_EVERY steps on 2 nodes without spares, waited for until
+    its run ends."""
+    script = [PLAIN, "--out-dir", "{out}", "--crash-every", str(CRASH_EVERY), *args]
+    run = submit(cluster, daemon, tmp_path, script, name=name, nodes=2, spares=0)
+    wait_for_value(
+        f"run {name} to end",
+        lambda: run.run().state,
+        lambda state: state.is_terminal,
+        timeout_s=timeout_s,
+    )
+    return run
+
+
 def test_a_plain_script_that_checkpoints_between_crashes_runs_to_the_end(
     cluster: Cluster, daemon: DaemonProcess, tmp_path: Path
 ) -> None:
@@ -42,21 +64,7 @@ def test_a_plain_script_that_checkpoints_between_crashes_runs_to_the_end(
     # (two polls 5 s apart), so each crash comes after the checkpoint before it was seen.
     steps = CRASH_EVERY * (CRASHES + 1)
     args = ["--steps", str(steps), "--ckpt-every", str(CRASH_EVERY), "--work-ms", "400"]
-    run = submit(
-        cluster,
-        daemon,
-        tmp_path,
-        [PLAIN, "--out-dir", "{out}", "--crash-every", str(CRASH_EVERY), *args],
-        name="plain-progress",
-        nodes=2,
-        spares=0,
-    )
-    wait_for_value(
-        "the run to complete",
-        lambda: run.run().state,
-        lambda state: state.is_terminal,
-        timeout_s=480,
-    )
+    run = _crashing_run(cluster, daemon, tmp_path, "plain-progress", args, timeout_s=480)
     assert run.run().state is RunState.COMPLETED, (run.run().end_reason, run.job_log()[-3000:])
     starts = run.jsonl("starts.jsonl")
     assert len([s for s in starts if s["rank"] == 0]) == CRASHES + 1  # every crash restarted
@@ -72,18 +80,7 @@ def test_a_plain_script_that_crashes_without_checkpoints_stops_at_the_cap(
     cluster: Cluster, daemon: DaemonProcess, tmp_path: Path
 ) -> None:
     args = ["--steps", "1000", "--ckpt-every", "100000", "--work-ms", "100"]
-    run = submit(
-        cluster,
-        daemon,
-        tmp_path,
-        [PLAIN, "--out-dir", "{out}", "--crash-every", str(CRASH_EVERY), *args],
-        name="plain-no-progress",
-        nodes=2,
-        spares=0,
-    )
-    wait_for_value(
-        "the run to stop", lambda: run.run().state, lambda state: state.is_terminal, timeout_s=360
-    )
+    run = _crashing_run(cluster, daemon, tmp_path, "plain-no-progress", args, timeout_s=360)
     ended = run.run()
     assert ended.state is RunState.STOPPED, (ended.end_reason, run.job_log()[-3000:])
     assert "crash loop" in (ended.end_reason or "")

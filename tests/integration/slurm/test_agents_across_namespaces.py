@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from daemon_process import run_slurmft
 from support.waiting import wait_for_value
 
 from slurmft.controller.rpc import SOCKET_NAME, call
@@ -33,7 +34,7 @@ from slurmft.controller.rpc import SOCKET_NAME, call
 # The shipped file's fixed ports (8787, 9787): these tests run one after another on one worker.
 pytestmark = pytest.mark.xdist_group("shipped-config-ports")
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 SHIPPED = REPO / "systemd" / "slurmft.toml"
 LOGIN_NAME = "login1.cluster"  # the shipped file's agent.controller_url host
 
@@ -86,17 +87,6 @@ def _shipped_daemon_env(tmp_path: Path) -> dict[str, str]:
     }
 
 
-def _slurmft(env: dict[str, str], *argv: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "slurmft", *argv],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-
-
 # What an agent does first (the clock check) and then all the time (a batch of reports), with
 # the agent's own HTTP client.
 AGENT = textwrap.dedent(
@@ -123,7 +113,7 @@ def test_an_agent_on_another_host_reaches_the_daemon_of_the_shipped_config(
     agent_namespace: Namespace, tmp_path: Path
 ) -> None:
     env = _shipped_daemon_env(tmp_path)
-    assert _slurmft(env, "db", "upgrade").returncode == 0
+    assert run_slurmft(env, "db", "upgrade").returncode == 0
     log = tmp_path / "daemon.log"
     with log.open("ab") as out:
         daemon = subprocess.Popen(
@@ -154,7 +144,7 @@ def test_an_agent_on_another_host_reaches_the_daemon_of_the_shipped_config(
 
 def test_a_daemon_handing_agents_a_wildcard_address_refuses_to_start(tmp_path: Path) -> None:
     env = _shipped_daemon_env(tmp_path) | {"SLURMFT_DAEMON_AGENTS_URL": "http://0.0.0.0:8787"}
-    assert _slurmft(env, "db", "upgrade").returncode == 0
-    done = _slurmft(env, "daemon")
+    assert run_slurmft(env, "db", "upgrade").returncode == 0
+    done = run_slurmft(env, "daemon")
     assert done.returncode != 0
     assert "names no host" in done.stderr and "daemon.agents_url" in done.stderr, done.stderr
