@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime
@@ -57,10 +58,29 @@ class BatchSpec:
     save_timeout_s: float = 120.0  # time limit: how long ranks get to save before the requeue
     slurmft: str = "slurmft"  # the slurmft executable on the compute nodes
     token_file: str = ""
+    # `python -m slurmft` instead of the executable (submit --python): the batch step's, and
+    # the agents' when they run elsewhere (inside a container: that interpreter's path there).
+    python: str = ""
+    agent_python: str = ""
+    agent_wrapper: tuple[str, ...] = ()  # what each agent runs under (apptainer exec, bwrap)
+    setup: tuple[str, ...] = ()  # shell lines run before every agent, on every node
+    srun_args: tuple[str, ...] = ()  # canonical (slurmft.slurm.passthrough) srun options
+
+    def _command(self, python: str) -> list[str]:
+        return [python, "-m", "slurmft"] if python else [self.slurmft]
+
+    def _agent_command(self) -> list[str]:
+        """slurmft on each node: under the wrapper, after the setup lines (in a shell that then
+        becomes the agent: `exec "$@"`, so signals reach the agent itself)."""
+        setup: list[str] = []
+        if self.setup:
+            lines = "\n".join(("set +u", *self.setup, 'exec "$@"'))
+            setup = ["/bin/bash", "-c", lines, "slurmft-setup"]
+        return [*self.agent_wrapper, *setup, *self._command(self.agent_python or self.python)]
 
     def agent_argv(self, store_host: str, outcome_dir: str = "") -> list[str]:
         argv = [
-            self.slurmft,
+            *self._agent_command(),
             "agent",
             "run",
             f"--nodes={self.nodes}",
@@ -80,12 +100,12 @@ class BatchSpec:
         options = [f"--gres={self.step_gres}"] if self.step_gres else []
         if self.cpus_per_task:
             options.append(f"--cpus-per-task={self.cpus_per_task}")
-        return options
+        return [*self.srun_args, *options]
 
     def batch_argv(self) -> list[str]:
         """The batch script's one command: `slurmft agent batch ...`."""
         argv = [
-            self.slurmft,
+            *self._command(self.python),
             "agent",
             "batch",
             f"--run-id={self.run_id}",
@@ -103,11 +123,18 @@ class BatchSpec:
             argv.append(f"--step-gres={self.step_gres}")
         if self.cpus_per_task:
             argv.append(f"--cpus-per-task={self.cpus_per_task}")
+        if self.agent_python and self.agent_python != self.python:
+            argv.append(f"--agent-python={self.agent_python}")
+        if self.agent_wrapper:
+            argv.append(f"--agent-wrapper={shlex.join(self.agent_wrapper)}")
+        argv += [f"--setup={line}" for line in self.setup]
+        argv += [f"--srun-arg={word}" for word in self.srun_args]
         return [*argv, "--", *self.script]
 
 
-def job_script(spec: BatchSpec, env: dict[str, str] | None = None) -> str:
-    return render_batch_script(spec.batch_argv(), env=env)
+def job_script(spec: BatchSpec, env: Mapping[str, str] | None = None) -> str:
+    """The batch script: ``env`` exported, the setup lines, then the batch step."""
+    return render_batch_script(spec.batch_argv(), env=env, setup=spec.setup)
 
 
 def submit_request(

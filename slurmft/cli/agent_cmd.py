@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import logging
 import os
+import shlex
 import signal
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -218,6 +219,18 @@ def batch(  # noqa: PLR0917 (typer: one parameter per option)
     ] = PolicySection.max_restarts_without_progress,
     save_timeout_s: Annotated[float, typer.Option(help="Time limit: time to save.")] = 120.0,
     token_file: Annotated[str, typer.Option(help="The run's token for the agents.")] = "",
+    agent_python: Annotated[
+        str, typer.Option(help="The agents' interpreter (inside their container); default: this.")
+    ] = "",
+    agent_wrapper: Annotated[
+        str, typer.Option(help="The command every agent runs under, as shell words.")
+    ] = "",
+    setup: Annotated[
+        list[str] | None, typer.Option(help="A shell line run before every agent (repeatable).")
+    ] = None,
+    srun_arg: Annotated[
+        list[str] | None, typer.Option(help="An option for every agent step's srun (repeatable).")
+    ] = None,
 ) -> None:
     """The batch step: host the store, run and relaunch the agent step, requeue, keep the budget."""
     from slurmft.agent.batch import BatchSpec
@@ -241,6 +254,12 @@ def batch(  # noqa: PLR0917 (typer: one parameter per option)
         save_timeout_s=save_timeout_s,
         slurmft=sys.argv[0],
         token_file=token_file,
+        # Started as `python -m slurmft` (submit --python): the agents are started so too.
+        python=sys.executable if Path(sys.argv[0]).name == "__main__.py" else "",
+        agent_python=agent_python,
+        agent_wrapper=tuple(shlex.split(agent_wrapper)),
+        setup=tuple(setup or ()),
+        srun_args=_checked_srun_args(srun_arg or ()),
     )
     job_id = os.environ.get("SLURM_JOB_ID", "")
     if not job_id:
@@ -272,6 +291,18 @@ def batch(  # noqa: PLR0917 (typer: one parameter per option)
         if reporter is not None:
             reporter.stop(flush_timeout_s=5.0)
     raise typer.Exit(int(code))
+
+
+def _checked_srun_args(words: Sequence[str]) -> tuple[str, ...]:
+    """The batch script's srun options held to the submit-time table again (it is the user's
+    file: a hand-edited one gets the same refusals)."""
+    from slurmft.slurm import passthrough
+    from slurmft.slurm.api import SlurmBadRequest
+
+    try:
+        return passthrough.check("srun", words)
+    except SlurmBadRequest as error:
+        raise ConfigError(f"--srun-arg: {error}") from None
 
 
 def _allocation_reporter(

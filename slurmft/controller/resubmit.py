@@ -32,8 +32,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, fields, replace
 from typing import TYPE_CHECKING, Any
 
-from slurmft.slurm import CliSlurmClient
-from slurmft.slurm.api import SlurmError, SubmitRequest
+from slurmft.slurm import CliSlurmClient, passthrough
+from slurmft.slurm.api import SlurmBadRequest, SlurmError, SubmitRequest
 from slurmft.slurm.runner import CommandResult
 
 if TYPE_CHECKING:
@@ -86,6 +86,7 @@ _RECORD_TYPES: dict[str, tuple[type | tuple[type, ...], bool]] = {
     "mem": (str, True),
     "exclusive": (bool, False),
     "reservation": (str, True),
+    "sbatch_args": ((list, tuple), False),
     "output": (str, True),
     "workdir": (str, True),
 }
@@ -117,9 +118,13 @@ def request_from_record(record: Mapping[str, Any], exclude: Sequence[str]) -> Su
         request = SubmitRequest(**{k: v for k, v in record.items() if k in known})
     except TypeError as exc:
         raise SubmissionError(f"the recorded submission is incomplete: {exc}") from None
+    try:
+        sbatch_args = passthrough.check("sbatch", request.sbatch_args)
+    except SlurmBadRequest as error:
+        raise SubmissionError(f"the recorded submission's sbatch_args: {error}") from None
     if not isinstance(request.script, str) or not request.script.startswith("#!"):
         raise SubmissionError("the recorded submission has no batch script")
-    return replace(request, exclude=tuple(sorted(exclude)))
+    return replace(request, exclude=tuple(sorted(exclude)), sbatch_args=sbatch_args)
 
 
 def check_record(record: object) -> dict[str, Any]:

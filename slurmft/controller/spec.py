@@ -7,6 +7,7 @@ resubmission (after a time limit or a preemption) builds the very same job.
 from __future__ import annotations
 
 import re
+import shlex
 import tomllib
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from slurmft.errors import SlurmftError
+from slurmft.slurm import passthrough
 from slurmft.slurm.api import SlurmBadRequest
 from slurmft.slurm.script import check_constraint, check_gres, check_memory, check_slurm_name
 
@@ -22,6 +24,7 @@ from slurmft.slurm.script import check_constraint, check_gres, check_memory, che
 # a final one), and `\d` would take any script's digits.
 _TIME_LIMIT = re.compile(r"(\d+-)?\d+(:\d{2}){0,2}", re.ASCII)
 _NAME = re.compile(r"[A-Za-z0-9_.\-]{1,100}", re.ASCII)
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*", re.ASCII)
 # Beyond any cluster Slurm runs (the largest have about 10,000 nodes), and what the store and the
 # batch step can hold: a larger count is a mistake, refused here rather than by the database.
 MAX_NODES = 65_536
@@ -59,6 +62,22 @@ class RunSpec:
     exclusive: bool = False
     reservation: str | None = None
     cpus_per_task: int | None = None  # CPUs for each node's agent and its workers
+    # A site's own options, as sbatch and srun read them (slurmft.slurm.passthrough).
+    sbatch_args: tuple[str, ...] = ()
+    srun_args: tuple[str, ...] = ()
+    # The job's environment beyond `env`: shell lines run in the batch script and before every
+    # agent on every node (`module load ...`, `source venv/bin/activate`).
+    setup: tuple[str, ...] = ()
+    # The interpreter the job runs slurmft, torchrun and the workers with (absolute; submit
+    # fills in the active venv's or conda env's).
+    python: str | None = None
+    # Containers for the agent step (agent, torchrun and workers inside; the batch step and the
+    # rendezvous store outside): pyxis's srun options, or a command the agent runs under.
+    container_image: str | None = None
+    container_mounts: str | None = None
+    container_workdir: str | None = None
+    apptainer: str | None = None  # an image: `apptainer exec --nv --bind <ckpt> IMAGE`
+    container_wrapper: str | None = None  # shell words, e.g. `bwrap --unshare-pid ...`
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -96,6 +115,8 @@ class RunSpec:
                 _check(1 <= count <= MAX_NPROC_PER_NODE, name,
                        f"{_number(count)}: from 1 to {MAX_NPROC_PER_NODE}")  # fmt: skip
         self._check_site_options()
+        self._check_environment()
+        self._check_containers()
         _check(bool(self.script), "script", "missing: `slurmft submit ... -- train.py [args]`")
         _check(
             Path(self.ckpt_dir).is_absolute(),
@@ -130,6 +151,55 @@ class RunSpec:
                 except SlurmBadRequest as error:
                     raise SpecError(f"bad {name}: {error}") from None
 
+    def _check_environment(self) -> None:
+        for name in self.env:
+            _check(bool(_ENV_NAME.fullmatch(name)), "env",
+                   f"{name!r} is not a variable name (letters, digits, '_')")  # fmt: skip
+        _check(
+            self.python is None or Path(self.python).is_absolute(),
+            "python",
+            f"{self.python!r}: an absolute path to the interpreter, on every node",
+        )
+        for command, words in (("sbatch", self.sbatch_args), ("srun", self.srun_args)):
+            try:
+                passthrough.check(command, words)
+            except SlurmBadRequest as error:
+                raise SpecError(f"bad {command}_args: {error}") from None
+
+    def _check_containers(self) -> None:
+        kinds = ("container_image", "apptainer", "container_wrapper")
+        given = [name for name in kinds if getattr(self, name)]
+        _check(len(given) <= 1, given[-1] if given else kinds[0],
+               f"one container at a time, not {' and '.join(given)}")  # fmt: skip
+        for name in ("container_mounts", "container_workdir"):
+            _check(not getattr(self, name) or self.container_image is not None, name,
+                   "is for a pyxis container: add container_image (--container-image)")  # fmt: skip
+        if self.container_wrapper is not None:
+            try:
+                words = shlex.split(self.container_wrapper)
+            except ValueError as error:
+                raise SpecError(f"bad container_wrapper: {error}") from None
+            _check(bool(words), "container_wrapper", "empty: a command such as `bwrap ...`")
+
+    @property
+    def in_container(self) -> bool:
+        return bool(self.container_image or self.apptainer or self.container_wrapper)
+
+    @property
+    def agent_wrapper(self) -> tuple[str, ...]:
+        """The command the agent runs under on every node (empty: none)."""
+        if self.apptainer:
+            return ("apptainer", "exec", "--nv", "--bind", self.ckpt_dir, self.apptainer)
+        return tuple(shlex.split(self.container_wrapper or ""))
+
+    @property
+    def container_options(self) -> tuple[str, ...]:
+        """pyxis's options for every agent step's srun."""
+        pairs = (("--container-image", self.container_image),
+                 ("--container-mounts", self.container_mounts),
+                 ("--container-workdir", self.container_workdir))  # fmt: skip
+        return tuple(f"{flag}={value}" for flag, value in pairs if value)
+
     @property
     def asks_for_gpus(self) -> bool:
         return bool(self.gpus_per_node) or (self.gres or "").split(":", 1)[0] == "gpu"
@@ -153,9 +223,7 @@ class RunSpec:
         return {name: getattr(self, name) for name in names}
 
     def to_dict(self) -> dict[str, Any]:
-        data = asdict(self)
-        data["script"] = list(self.script)
-        return data
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], where: str = "spec") -> RunSpec:
@@ -164,7 +232,9 @@ class RunSpec:
         if unknown:
             raise SpecError(f"{where}: unknown field {unknown[0]!r}; fields: {', '.join(known)}")
         try:
-            return cls(**{**data, "script": tuple(data.get("script", ()))})
+            words = [f.name for f in fields(cls) if f.type == "tuple[str, ...]"]
+            lists = {name: tuple(data[name]) for name in words if isinstance(data.get(name), list)}
+            return cls(**{**data, **lists, "script": tuple(data.get("script", ()))})
         except TypeError as exc:  # a missing required field
             raise SpecError(f"{where}: {exc}".replace("RunSpec.__init__() ", "")) from None
 

@@ -133,6 +133,8 @@ class SubmitRequest:
     mem: str | None = None
     exclusive: bool = False
     reservation: str | None = None
+    # A site's own sbatch options (slurmft.slurm.passthrough), checked again at every submit.
+    sbatch_args: tuple[str, ...] = ()
     output: str | None = None
     workdir: str | None = None
     # The daemon's action that submits this job (a resubmission): tagged in its comment.

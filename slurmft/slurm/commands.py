@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
-from slurmft.slurm import script
+from slurmft.slurm import passthrough, script
 from slurmft.slurm.api import SignalTarget, SlurmBadRequest, SubmitRequest
 from slurmft.slurm.hostlist import compress
 from slurmft.slurm.names import check_node_name
@@ -46,8 +46,11 @@ def submit_argv(request: SubmitRequest) -> list[str]:
         raise SlurmBadRequest(
             f"need nodes >= 1 and spares >= 0, got {request.nodes}+{request.spare_nodes}"
         )
+    # A site's options first: sbatch takes the last of an option given twice, so nothing in them
+    # could override slurmft's own below (the refusal table keeps those out anyway).
     argv = [
         "sbatch",
+        *passthrough.check("sbatch", request.sbatch_args),
         "--parsable",
         f"--job-name={script.check_job_name(request.job_name)}",
         f"--comment={script.comment_for_run(request.run_id, request.action_id)}",

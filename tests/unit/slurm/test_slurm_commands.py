@@ -234,12 +234,13 @@ def test_batch_script_keeps_hostile_arguments_inert(tmp_path: Path) -> None:
     canary = tmp_path / "canary"
     args = [arg.replace("{canary}", str(canary)) for arg in HOSTILE]
     env = {"RUN_NAME": "x'; touch " + str(canary) + "; '$(id)"}
+    # A setup line is the user's shell code, run as written (here it expands the variable);
+    # the command's words stay inert whatever they hold.
     script = render_batch_script(
-        ["printf", "%s\\0", *args], env=env, setup=[["printf", "%s\\0", "$RUN_NAME"]]
+        ["printf", "%s\\0", *args], env=env, setup=['printf "%s\\0" "$RUN_NAME"']
     )
     result = subprocess.run(["bash", "-c", script], capture_output=True, text=True, check=True)
-    # The setup line prints the literal text "$RUN_NAME"; the command prints each argument as is.
-    assert result.stdout.split("\0")[:-1] == ["$RUN_NAME", *args]
+    assert result.stdout.split("\0")[:-1] == [env["RUN_NAME"], *args]
     assert not canary.exists()
     printed_env = subprocess.run(
         ["bash", "-c", render_batch_script(["printenv", "RUN_NAME"], env=env)],
