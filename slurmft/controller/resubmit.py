@@ -135,6 +135,26 @@ def check_record(record: object) -> dict[str, Any]:
     return record
 
 
+def submit_environment(
+    owner: pwd.struct_passwd, path: str, slurm_conf: str | None = None
+) -> dict[str, str]:
+    """The environment sbatch runs in, and so the job's (sbatch exports its own): the owner's
+    identity, the PATH recorded at submit, SLURM_CONF. The same for `slurmft submit` and for
+    every resubmission, so a job never depends on what happened to be set in one shell; what a
+    run needs is in its batch script (`--env`, setup lines)."""
+    env = {
+        "HOME": owner.pw_dir,
+        "USER": owner.pw_name,
+        "LOGNAME": owner.pw_name,
+        "SHELL": owner.pw_shell or "/bin/sh",
+        "PATH": path,
+    }
+    slurm_conf = slurm_conf or os.environ.get("SLURM_CONF")
+    if slurm_conf:
+        env["SLURM_CONF"] = slurm_conf
+    return env
+
+
 def trusted_search_path(path: str | None = None) -> str:
     """The daemon's own PATH (default: its environment's), absolute entries only: where the
     Slurm commands it runs for an owner are looked up, never in the owner's recorded PATH."""
@@ -271,17 +291,9 @@ class OwnerSubmitter:
             raise SubmissionError(
                 f"the run's owner uid {run.owner_uid} is unknown on this host; {WAITING_FOR_OWNER}"
             ) from None
-        env = {
-            "HOME": owner.pw_dir,
-            "USER": owner.pw_name,
-            "LOGNAME": owner.pw_name,
-            "SHELL": owner.pw_shell or "/bin/sh",
-            "PATH": str(record.get("path") or DEFAULT_PATH),
-        }
-        if self._slurm_conf:
-            env["SLURM_CONF"] = self._slurm_conf
-        elif "SLURM_CONF" in os.environ:
-            env["SLURM_CONF"] = os.environ["SLURM_CONF"]
+        env = submit_environment(
+            owner, str(record.get("path") or DEFAULT_PATH), self._slurm_conf
+        )
         workdir = str(record.get("workdir") or owner.pw_dir)
         return OwnerRunner(
             owner,

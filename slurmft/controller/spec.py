@@ -156,15 +156,18 @@ class RunSpec:
             _check(bool(_ENV_NAME.fullmatch(name)), "env",
                    f"{name!r} is not a variable name (letters, digits, '_')")  # fmt: skip
         _check(
-            self.python is None or Path(self.python).is_absolute(),
+            self.python is None
+            or Path(self.python).is_absolute()
+            or (self.in_container and "/" not in self.python),
             "python",
-            f"{self.python!r}: an absolute path to the interpreter, on every node",
+            f"{self.python!r}: an absolute path to the interpreter on every node (in a "
+            "container: its path there, or a name on the image's PATH)",
         )
-        for command, words in (("sbatch", self.sbatch_args), ("srun", self.srun_args)):
+        for name, words in (("sbatch_args", self.sbatch_args), ("srun_args", self.srun_args)):
             try:
-                passthrough.check(command, words)
+                passthrough.check("sbatch" if name == "sbatch_args" else "srun", words)
             except SlurmBadRequest as error:
-                raise SpecError(f"bad {command}_args: {error}") from None
+                raise SpecError(f"bad {name}: {error}") from None
 
     def _check_containers(self) -> None:
         kinds = ("container_image", "apptainer", "container_wrapper")

@@ -38,10 +38,12 @@ class Runner(Protocol):
 
 class SubprocessRunner:
     """Runs Slurm commands as child processes. `env` (e.g. SLURM_CONF) is added to the caller's
-    environment; counts are kept per command so load on slurmctld is visible."""
+    environment, or is the whole of it without `inherit`; counts are kept per command so load
+    on slurmctld is visible."""
 
-    def __init__(self, env: Mapping[str, str] | None = None) -> None:
-        self._env = dict(env) if env else None
+    def __init__(self, env: Mapping[str, str] | None = None, *, inherit: bool = True) -> None:
+        self._env = dict(env or {}) if env or not inherit else None
+        self._inherit = inherit
         self.calls: dict[str, int] = {}
 
     def run(
@@ -73,4 +75,4 @@ class SubprocessRunner:
     def _merged_env(self) -> dict[str, str] | None:
         if self._env is None:
             return None
-        return {**os.environ, **self._env}
+        return {**os.environ, **self._env} if self._inherit else dict(self._env)

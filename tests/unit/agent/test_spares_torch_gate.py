@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -19,23 +21,28 @@ REPO = Path(__file__).resolve().parents[3]
 SPEC = RunSpec(name="r", nodes=2, script=("train.py",), ckpt_dir="/shared/r", spares=1)
 
 
-def test_a_known_torch_keeps_its_spares(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(torch_support, "installed_version", lambda: "2.13.0+cpu")
-    assert submit_cmd._spares_for_this_torch(SPEC, explicit=True).spares == 1
+def test_a_known_torch_keeps_its_spares() -> None:
+    assert submit_cmd._spares_for_this_torch(SPEC, explicit=True, version="2.13.0+cpu").spares == 1
 
 
-def test_another_torch_runs_without_the_default_spare(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
-    monkeypatch.setattr(torch_support, "installed_version", lambda: "2.4.1")
-    assert submit_cmd._spares_for_this_torch(SPEC, explicit=False).spares == 0
+def test_another_torch_runs_without_the_default_spare(capsys: pytest.CaptureFixture[str]) -> None:
+    assert submit_cmd._spares_for_this_torch(SPEC, explicit=False, version="2.4.1").spares == 0
     assert "running without spares" in capsys.readouterr().err
 
 
-def test_another_torch_refuses_spares_asked_for(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(torch_support, "installed_version", lambda: "2.4.1")
+def test_another_torch_refuses_spares_asked_for() -> None:
     with pytest.raises(SpecError, match=r"spares = 1: .*knows torch 2\.13, not 2\.4\.1"):
-        submit_cmd._spares_for_this_torch(SPEC, explicit=True)
+        submit_cmd._spares_for_this_torch(SPEC, explicit=True, version="2.4.1")
+
+
+def test_the_gate_reads_the_jobs_interpreter_not_the_login_venvs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The login node's slurmft may have another torch, or none: the version that counts is
+    what `--python` imports (job_python.check_python runs it)."""
+    monkeypatch.setattr(torch_support, "installed_version", lambda: None)
+    checked = submit_cmd._checked_torch(replace(SPEC, python=sys.executable))
+    assert checked == torch_support.metadata.version("torch")
 
 
 def test_no_torch_where_submit_runs_leaves_the_check_to_the_nodes() -> None:
