@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shlex
 import subprocess
+import sys
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -25,6 +27,9 @@ from slurmft.agent.batch import (
     write_step_outcome,
 )
 from slurmft.agent.batch_step import BatchStep
+from slurmft.cli import submit_cmd
+from slurmft.config import load_config
+from slurmft.controller.spec import RunSpec
 from slurmft.core.budget import RestartBudget
 from slurmft.core.exits import BatchExit
 from slurmft.core.kinds import NodeRole
@@ -360,3 +365,99 @@ def test_the_batch_step_reports_its_allocation_at_start_and_after_a_relaunch_els
         allocation=reports[0],
     ).to_json()
     assert AgentBatch.from_json(batch_json).allocation == reports[0]
+
+
+def _spec_run(**fields: object) -> RunSpec:
+    return RunSpec(name="r", nodes=2, script=("train.py",), ckpt_dir="/shared/ck", spares=0,
+                   python="/opt/venv/bin/python", **fields)  # type: ignore[arg-type]  # fmt: skip
+
+
+def _agent_step(run: RunSpec) -> list[str]:
+    """The agent step's srun argv as `slurmft submit` plans it (nothing is run)."""
+    created = {"run_id": "r1", "controller_url": "http://login:8787", "exclude": []}
+    batch, _ = submit_cmd._plan(
+        load_config(environ={}, system_file=Path("/nonexistent")),
+        run,
+        created,
+        "/shared/ck/.slurmft/token",
+    )
+    # The batch step builds its BatchSpec again from the batch script's own argv.
+    return srun_argv(["n1", "n2"], batch.agent_argv("10.0.0.1"), batch.step_options())
+
+
+def test_a_pyxis_run_gives_every_agent_step_its_container_options() -> None:
+    image = "nvcr.io#nvidia/pytorch:24.05-py3"
+    run = _spec_run(container_image=image, container_mounts="/shared:/shared")
+    argv = _agent_step(replace(run, python="python3"))
+    options = argv[: argv.index("python3")]
+    assert options[-2:] == [
+        "--container-image=nvcr.io#nvidia/pytorch:24.05-py3",
+        "--container-mounts=/shared:/shared",
+    ]
+    assert argv[argv.index("python3") :][:4] == ["python3", "-m", "slurmft", "agent"]
+
+
+def test_an_apptainer_run_is_a_wrapper_around_the_agent() -> None:
+    argv = _agent_step(_spec_run(apptainer="/shared/images/train.sif"))
+    wrapper = ["apptainer", "exec", "--nv", "--bind", "/shared/ck", "/shared/images/train.sif"]
+    start = argv.index("apptainer")
+    assert argv[start : start + 6] == wrapper
+    assert argv[start + 6 : start + 10] == ["/opt/venv/bin/python", "-m", "slurmft", "agent"]
+
+
+def test_setup_lines_run_before_the_agent_inside_the_wrapper_and_the_agent_replaces_the_shell(
+    tmp_path: Path,
+) -> None:
+    run = _spec_run(container_wrapper="env SLURMFT_WRAPPED=1",
+                    setup=("export FROM_SETUP=yes", "cd /"))  # fmt: skip
+    argv = _agent_step(run)
+    command = argv[argv.index("env") :]
+    assert command[:6] == [
+        "env",
+        "SLURMFT_WRAPPED=1",
+        "/bin/bash",
+        "-c",
+        command[4],
+        "slurmft-setup",
+    ]
+    # Run the wrapper and the setup shell for real, with a stand-in for the agent.
+    shown = tmp_path / "shown"
+    stand_in = [
+        *command[:6],
+        "sh",
+        "-c",
+        f'echo "$FROM_SETUP $SLURMFT_WRAPPED $PWD $$" > {shown}; echo $$',
+    ]
+    done = subprocess.run(stand_in, capture_output=True, text=True, check=True)
+    from_setup, wrapped, cwd, pid = shown.read_text().split()
+    assert (from_setup, wrapped, cwd) == ("yes", "1", "/")
+    assert pid == done.stdout.strip()  # exec "$@": the shell became the command
+
+
+def test_the_batch_script_runs_the_setup_lines_before_the_batch_step(tmp_path: Path) -> None:
+    run = _spec_run(setup=("export FROM_SETUP=yes",), env={"FROM_ENV": "a b"})
+    created = {"run_id": "r1", "controller_url": "http://login:8787", "exclude": []}
+    _, request = submit_cmd._plan(
+        load_config(environ={}, system_file=Path("/nonexistent")),
+        run,
+        created,
+        "/shared/ck/.slurmft/token",
+    )
+    lines = request.script.splitlines()
+    assert lines.index("export FROM_SETUP=yes") < lines.index("set -u") < len(lines) - 1
+    assert "export FROM_ENV='a b'" in lines
+    assert lines[-1].startswith("exec /opt/venv/bin/python -m slurmft agent batch ")
+    batch = shlex.split(lines[-1])
+    assert "--setup=export FROM_SETUP=yes" in batch
+
+
+def test_a_container_run_keeps_the_batch_step_outside_with_slurmfts_interpreter() -> None:
+    run = replace(_spec_run(apptainer="/img.sif"), python="/usr/bin/python3")
+    created = {"run_id": "r1", "controller_url": "http://login:8787", "exclude": []}
+    _, request = submit_cmd._plan(
+        load_config(environ={}, system_file=Path("/nonexistent")), run, created, ""
+    )
+    last = shlex.split(request.script.splitlines()[-1])
+    assert last[1:4] == [sys.executable, "-m", "slurmft"]
+    assert "--agent-python=/usr/bin/python3" in last
+    assert "--agent-wrapper=apptainer exec --nv --bind /shared/ck /img.sif" in last
