@@ -156,11 +156,13 @@ def submit(
     spares: int = 1,
     env: dict[str, str] | None = None,
     as_user: UnixUser | None = None,
+    fields: dict[str, object] | None = None,
 ) -> SubmittedRun:
     """`slurmft submit` a run of `nodes` + `spares` (with `env` in the job's environment, through
     a spec file); `{ckpt}` and `{out}` in the script's arguments become its checkpoint and output
     directories. The fixture cancels the job. ``as_user`` submits as that test user: the job
-    runs as them, so ``tmp_path`` must be reachable by them (not pytest's own tmp_path)."""
+    runs as them, so ``tmp_path`` must be reachable by them (not pytest's own tmp_path).
+    ``fields``: more run-spec fields (strings or lists of strings)."""
     shared = tmp_path / "shared"
     if as_user is not None:
         as_user.own(shared)
@@ -171,7 +173,9 @@ def submit(
     spec = tmp_path / "run.toml"
     spec.write_text(
         f"name = {json.dumps(name)}\nnodes = {nodes}\nspares = {spares}\n"
-        f"ckpt_dir = {json.dumps(str(ckpt))}\nscript = {json.dumps(argv)}\n[env]\n"
+        f"ckpt_dir = {json.dumps(str(ckpt))}\nscript = {json.dumps(argv)}\n"
+        + "".join(f"{key} = {json.dumps(value)}\n" for key, value in (fields or {}).items())
+        + "[env]\n"
         + "".join(f"{key} = {json.dumps(value)}\n" for key, value in (env or {}).items())
     )
     cli = daemon.env if as_user is None else daemon.client_env()
