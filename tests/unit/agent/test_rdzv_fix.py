@@ -3,10 +3,13 @@ and the version gate."""
 
 from __future__ import annotations
 
+import importlib.util
+import inspect
 import subprocess
 import sys
 import textwrap
 import types
+from pathlib import Path
 
 import pytest
 
@@ -229,3 +232,26 @@ def test_launcher_applies_the_poll_it_is_given() -> None:
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["None", "0.1"]
     assert "rendezvous state poll 0.1 s" in done.stderr
+
+
+def test_the_gate_refuses_the_rendezvous_module_with_one_change(tmp_path: Path) -> None:
+    """The fingerprint fixture: this torch's own dynamic_rendezvous.py, loaded from a file with
+    one no-op line added at the end of `_RendezvousJoinOp.__call__`. The gate names exactly that
+    function, so a torch release that touches it runs without the fix (and without spares)."""
+    real = rdzv_fix.load_module()
+    source = inspect.getsource(real)
+    function = inspect.getsource(real._RendezvousJoinOp.__call__)
+    last = function.rstrip("\n").splitlines()[-1]
+    indent = last[: len(last) - len(last.lstrip())]
+    changed = source.replace(function, function.rstrip("\n") + f"\n{indent}pass\n", 1)
+    assert changed != source
+    # Outside its package: its relative imports become absolute (no function changes).
+    changed = changed.replace("from .", "from torch.distributed.elastic.rendezvous.")
+    path = tmp_path / "dynamic_rendezvous_one_change.py"
+    path.write_text(changed)
+    spec = importlib.util.spec_from_file_location("dynamic_rendezvous_one_change", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    (problem,) = rdzv_fix.check_internals(module)
+    assert problem.startswith("_RendezvousJoinOp.__call__ changed (source fingerprint ")
