@@ -34,7 +34,7 @@ from slurmft.core.budget import RestartBudget
 from slurmft.core.exits import BatchExit
 from slurmft.core.kinds import NodeRole
 from slurmft.protocol import AgentBatch, AllocationMember, AllocationReport
-from slurmft.slurm.api import JobInfo, NodeInfo, SignalTarget
+from slurmft.slurm.api import JobInfo, NodeInfo, SignalTarget, SubmitRequest
 from slurmft.slurm.commands import submit_argv
 from slurmft.slurm.states import JobState, parse_node_state
 
@@ -372,15 +372,16 @@ def _spec_run(**fields: object) -> RunSpec:
                    python="/opt/venv/bin/python", **fields)  # type: ignore[arg-type]  # fmt: skip
 
 
-def _agent_step(run: RunSpec) -> list[str]:
-    """The agent step's srun argv as `slurmft submit` plans it (nothing is run)."""
+def _planned(run: RunSpec) -> tuple[BatchSpec, SubmitRequest]:
+    """What `slurmft submit` would send for ``run`` (nothing is run)."""
     created = {"run_id": "r1", "controller_url": "http://login:8787", "exclude": []}
-    batch, _ = submit_cmd._plan(
-        load_config(environ={}, system_file=Path("/nonexistent")),
-        run,
-        created,
-        "/shared/ck/.slurmft/token",
-    )
+    config = load_config(environ={}, system_file=Path("/nonexistent"))
+    return submit_cmd._plan(config, run, created, "/shared/ck/.slurmft/token")
+
+
+def _agent_step(run: RunSpec) -> list[str]:
+    """The agent step's srun argv as `slurmft submit` plans it."""
+    batch, _ = _planned(run)
     # The batch step builds its BatchSpec again from the batch script's own argv.
     return srun_argv(["n1", "n2"], batch.agent_argv("10.0.0.1"), batch.step_options())
 
@@ -434,15 +435,8 @@ def test_setup_lines_run_before_the_agent_inside_the_wrapper_and_the_agent_repla
     assert pid == done.stdout.strip()  # exec "$@": the shell became the command
 
 
-def test_the_batch_script_runs_the_setup_lines_before_the_batch_step(tmp_path: Path) -> None:
-    run = _spec_run(setup=("export FROM_SETUP=yes",), env={"FROM_ENV": "a b"})
-    created = {"run_id": "r1", "controller_url": "http://login:8787", "exclude": []}
-    _, request = submit_cmd._plan(
-        load_config(environ={}, system_file=Path("/nonexistent")),
-        run,
-        created,
-        "/shared/ck/.slurmft/token",
-    )
+def test_the_batch_script_runs_the_setup_lines_before_the_batch_step() -> None:
+    _, request = _planned(_spec_run(setup=("export FROM_SETUP=yes",), env={"FROM_ENV": "a b"}))
     lines = request.script.splitlines()
     assert lines.index("export FROM_SETUP=yes") < lines.index("set -u") < len(lines) - 1
     assert "export FROM_ENV='a b'" in lines
@@ -452,11 +446,7 @@ def test_the_batch_script_runs_the_setup_lines_before_the_batch_step(tmp_path: P
 
 
 def test_a_container_run_keeps_the_batch_step_outside_with_slurmfts_interpreter() -> None:
-    run = replace(_spec_run(apptainer="/img.sif"), python="/usr/bin/python3")
-    created = {"run_id": "r1", "controller_url": "http://login:8787", "exclude": []}
-    _, request = submit_cmd._plan(
-        load_config(environ={}, system_file=Path("/nonexistent")), run, created, ""
-    )
+    _, request = _planned(replace(_spec_run(apptainer="/img.sif"), python="/usr/bin/python3"))
     last = shlex.split(request.script.splitlines()[-1])
     assert last[1:4] == [sys.executable, "-m", "slurmft"]
     assert "--agent-python=/usr/bin/python3" in last
