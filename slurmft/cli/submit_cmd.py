@@ -123,6 +123,16 @@ def _checked_torch(spec: RunSpec) -> str | None:
     return checked.torch if checked.torch is not None else torch_support.installed_version()
 
 
+def _note_plugin_options(spec: RunSpec) -> None:
+    """Options Slurm 22.05 does not have are passed on: say so (a typo reaches sbatch)."""
+    from slurmft.slurm import passthrough
+
+    notes = [*passthrough.parse("sbatch", spec.sbatch_args).notes,
+             *passthrough.parse("srun", spec.srun_args).notes]  # fmt: skip
+    for note in notes:
+        typer.echo(f"note: {note}", err=True)
+
+
 def _note_ignored_environment() -> None:
     """sbatch's input variables are not passed on: a resubmission could not repeat them."""
     ignored = sorted(name for name in os.environ if name.startswith(("SBATCH_", "SLURM_"))
@@ -330,6 +340,7 @@ def submit(  # noqa: PLR0917 (typer: one parameter per option)
     explicit_spares = spares is not None or _spec_file_sets(spec_file, "spares")
     spec = _spares_for_this_torch(spec, explicit=explicit_spares, version=_checked_torch(spec))
     _note_ignored_environment()
+    _note_plugin_options(spec)
     cli = state(ctx)
     if dry_run:
         _print_plan(cli.config, spec, as_json=as_json)
