@@ -301,7 +301,7 @@ def submit(  # noqa: PLR0917 (typer: one parameter per option)
     """Submit a training run: `slurmft submit --nodes 3 --ckpt-dir /shared/ck -- train.py`.
 
     The job runs in a clean environment (HOME, USER, SHELL, PATH, SLURM_CONF) plus what --env,
-    the spec's [env] and --setup give it, the same on every requeue and resubmission.
+    the spec's env table and --setup give it, the same on every requeue and resubmission.
     """
     from slurmft.agent.state_dir import check_state_dir
     from slurmft.controller.resubmit import submission_record
