@@ -112,12 +112,14 @@ def _token(run_home: Path) -> str:
 
 def _bobs_waiting_run(cluster: Cluster, daemon: DaemonProcess, home: Path, bob: UnixUser) -> str:
     """A run of bob's whose job waits: it wants every node to itself while alice's job holds
-    some (sbatch reads SBATCH_EXCLUSIVE)."""
+    some (`--exclusive`: sbatch's input variables such as SBATCH_EXCLUSIVE no longer reach it,
+    as a resubmission could not repeat them)."""
     every = str(len(cluster.client.nodes()))
     argv = ["submit", "--nodes", every, "--spares", "0", "--ckpt-dir", str(home / "ckpt")]
     done = run_slurmft(
-        daemon.client_env() | {"SBATCH_EXCLUSIVE": "exclusive"},
+        daemon.client_env(),
         *argv,
+        "--exclusive",
         "--json",
         "--",
         "train.py",
