@@ -74,15 +74,15 @@ def _run_ids(rows: object) -> list[str]:
 def _pending_run(
     cluster: Cluster, daemon: DaemonProcess, home: Path, user: UnixUser
 ) -> tuple[str, str]:
-    """A run of ``user`` whose job waits: it wants every node to itself (sbatch reads
-    SBATCH_EXCLUSIVE) while another job holds some. The caller cancels it before they free up."""
+    """A run of ``user`` whose job waits: it wants every node to itself (`--exclusive`) while
+    another job holds some. The caller cancels it before they free up."""
     every = str(len(cluster.client.nodes()))
     submitted = _cli_json(
         daemon,
         user,
         "submit",
-        *("--nodes", every, "--spares", "0", "--ckpt-dir", str(home / "ckpt"), "--", "train.py"),
-        env={"SBATCH_EXCLUSIVE": "exclusive"},
+        *("--nodes", every, "--spares", "0", "--exclusive", "--ckpt-dir", str(home / "ckpt")),
+        *("--", "train.py"),
     )
     assert isinstance(submitted, dict)
     cluster._jobs.append(submitted["job_id"])
