@@ -18,13 +18,18 @@ from typing import Any
 from slurmft.errors import SlurmftError
 from slurmft.slurm import passthrough
 from slurmft.slurm.api import SlurmBadRequest
-from slurmft.slurm.script import check_constraint, check_gres, check_memory, check_slurm_name
+from slurmft.slurm.script import (
+    check_constraint,
+    check_gres,
+    check_memory,
+    check_slurm_name,
+    is_env_name,
+)
 
 # Matched with fullmatch, in ASCII: `$` would take a name ending in a newline (it matches before
 # a final one), and `\d` would take any script's digits.
 _TIME_LIMIT = re.compile(r"(\d+-)?\d+(:\d{2}){0,2}", re.ASCII)
 _NAME = re.compile(r"[A-Za-z0-9_.\-]{1,100}", re.ASCII)
-_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*", re.ASCII)
 # Beyond any cluster Slurm runs (the largest have about 10,000 nodes), and what the store and the
 # batch step can hold: a larger count is a mistake, refused here rather than by the database.
 MAX_NODES = 65_536
@@ -153,7 +158,7 @@ class RunSpec:
 
     def _check_environment(self) -> None:
         for name in self.env:
-            _check(bool(_ENV_NAME.fullmatch(name)), "env",
+            _check(is_env_name(name), "env",
                    f"{name!r} is not a variable name (letters, digits, '_')")  # fmt: skip
         _check(
             self.python is None
