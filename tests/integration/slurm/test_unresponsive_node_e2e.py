@@ -145,7 +145,11 @@ def _check_eviction(cluster: Cluster, run: SubmittedRun, frozen: FrozenNode) -> 
     acted, _ = wait_for_value(
         "the eviction",
         lambda: {a.kind: a for a in run.actions() if a.node == victim},
-        lambda kinds: ActionKind.EVICT_NODE in kinds,
+        # Recorded as planned before the effect runs: wait for the outcome, not the plan.
+        lambda kinds: all(
+            kind in kinds and kinds[kind].status is not ActionStatus.PLANNED
+            for kind in (ActionKind.DRAIN_NODE, ActionKind.EVICT_NODE)
+        ),
         timeout_s=30,
     )
     assert acted[ActionKind.AGENT_LEAVE].reason == event.message
