@@ -66,6 +66,9 @@ OUTCOME_ROOT = ".slurmft/steps"  # under the checkpoint directory: one folder pe
 # of its polls (5 s each) of the failure over the cap; the batch step leaves it that long, so a
 # run the daemon watches ends with the daemon's reason, and one it does not, about as fast.
 GIVE_UP_GRACE_S = 20.0
+# How long a GRES job's requeue waits for its silent nodes to be DOWN: Slurm's default
+# SlurmdTimeout (300 s) and a minute, for a site without a daemon to set them DOWN sooner.
+FENCE_WAIT_S = 360.0
 
 
 def allocation_report(job_id: str, nodes: Sequence[str], active: int) -> AllocationReport:
@@ -110,13 +113,14 @@ class BatchStep:
         poll_s: float = 5.0,
         stop_grace_s: float = 20.0,
         give_up_grace_s: float = GIVE_UP_GRACE_S,
+        fence_wait_s: float = FENCE_WAIT_S,
         report_allocation: Callable[[AllocationReport], None] | None = None,
         report_event: Callable[[AgentEvent], None] | None = None,
     ):
         self.spec, self.client, self.job_id = spec, client, job_id
         self.store_host = store_host
         self.poll_s, self.stop_grace_s = poll_s, stop_grace_s
-        self.give_up_grace_s = give_up_grace_s
+        self.give_up_grace_s, self.fence_wait_s = give_up_grace_s, fence_wait_s
         self.state = BatchState.load(spec.ckpt_dir, spec.max_restarts_without_progress)
         self.save_requested = threading.Event()
         self.outcome_dir = ""  # the current agent step's (see batch.StepOutcomes)
@@ -394,6 +398,40 @@ class BatchStep:
         saved = newest_checkpoint(self.spec.ckpt_dir)
         log.info("coordinated save: %s", saved if saved > before else "none in time")
 
+    def _wait_until_silent_nodes_are_down(self) -> None:
+        """A GRES job is requeued only once every node it holds whose slurmd is silent is DOWN
+        (Slurm 22.05 breaks the GPUs of a job requeued holding one: docs/slurm.md). The batch
+        step may not set DOWN itself: the daemon does within a poll, Slurm after SlurmdTimeout.
+        Bounded by fence_wait_s; then it requeues anyway, and says so."""
+        deadline = time.monotonic() + self.fence_wait_s
+        said = ""
+        while True:
+            try:
+                job = self.client.job(self.job_id)
+                info = self.client.nodes(job.nodes)
+            except SlurmError as error:
+                log.warning("cannot see whether the job's silent nodes are DOWN (%s)", error)
+                return
+            silent = ",".join(n for n in job.nodes if n in info and info[n].status.silent_not_down)
+            if not silent:
+                return
+            if time.monotonic() >= deadline:
+                log.error(
+                    "requeueing while %s is still not DOWN after %.0f s: the next attempt's "
+                    "GPU steps may be refused",
+                    silent,
+                    self.fence_wait_s,
+                )
+                return
+            if silent != said:
+                log.info(
+                    "waiting for %s to be DOWN before the requeue (a GPU job requeued "
+                    "holding it loses its GPUs)",
+                    silent,
+                )
+                said = silent
+            time.sleep(min(self.poll_s, 1.0))
+
     def _save_and_requeue_done(self) -> BatchExit:
         # The budget is untouched: time limits are expected.
         self._keep(self.state.noted("time limit: saved and requeued"))
@@ -401,6 +439,8 @@ class BatchStep:
 
     def _requeue(self, reason: str) -> BatchExit:
         self._keep(replace(self.state, requeues=self.state.requeues + 1))
+        if self.spec.step_gres:
+            self._wait_until_silent_nodes_are_down()
         log.warning("requeueing job %s: %s", self.job_id, reason)
         try:
             self.client.requeue(self.job_id)

@@ -337,20 +337,45 @@ def _batch_host_down(run: RunView, job: JobView, view: ClusterView) -> list[Acti
         f"slurmft: batch host {host} of job {job.job_id} is down; the job cannot recover "
         f"inside its allocation, requeueing without it"
     )
-    return [
-        *_event(
-            run,
-            f"batch_host_down:{job.job_id}:{host}",
-            reason=reason,
-            kind=EventKind.BATCH_HOST_DOWN,
-            fault_class=FaultClass.HARDWARE,
-            node=host,
-        ),
-        ExcludeNode(run.run_id, reason, node=host),
-        RequeueJob(
-            run.run_id, reason, job_id=job.job_id, exclude=view.denylist | run.excluded | {host}
-        ),
-    ]
+    actions = _event(
+        run,
+        f"batch_host_down:{job.job_id}:{host}",
+        reason=reason,
+        kind=EventKind.BATCH_HOST_DOWN,
+        fault_class=FaultClass.HARDWARE,
+        node=host,
+    )
+    if host not in run.excluded:
+        actions.append(ExcludeNode(run.run_id, reason, node=host))
+    silent = _silent_held(run, job)
+    if silent:
+        return actions + _fences(run, job, silent)  # the requeue once Slurm shows them DOWN
+    exclude = view.denylist | run.excluded | {host}
+    return [*actions, RequeueJob(run.run_id, reason, job_id=job.job_id, exclude=exclude)]
+
+
+def _silent_held(run: RunView, job: JobView) -> list[str]:
+    """The silent nodes a GRES job holds, which must be DOWN before it is requeued. Slurm 22.05
+    breaks the GPUs of a job requeued while it holds a node whose slurmd is gone but that is
+    not DOWN yet: its next attempt's GPU steps are refused and the GPUs of its new nodes leak
+    (docs/slurm.md). Once DOWN, the node is out of the --no-kill job and the requeue is clean."""
+    return sorted(job.silent_nodes) if run.steps_ask_gres else []
+
+
+def _fences(run: RunView, job: JobView, silent: list[str]) -> list[Action]:
+    """DOWN for each silent node, once per job. Slurm sets the same DOWN itself after
+    SlurmdTimeout (minutes on most sites), and kills what else runs there: slurmft only does it
+    sooner. Where the DOWN fails or is refused, the requeue waits for Slurm's own."""
+    fences: list[Action] = []
+    for node in silent:
+        key = f"fence:{job.job_id}:{node}"
+        if key not in run.reported:
+            reason = (
+                f"slurmft: node {node} silent (slurmd not responding): DOWN so that GPU job "
+                f"{job.job_id} is requeued without it"
+            )
+            fences.append(EvictNode(run.run_id, reason, {"key": key}, node=node))
+    return fences
 
 
 def _keep_excluded(run: RunView, job: JobView, view: ClusterView) -> list[Action]:
@@ -583,7 +608,9 @@ def _has_spare(run: RunView, removed: set[str]) -> bool:
 def _capacity(run: RunView, job: JobView, view: ClusterView, removed: set[str]) -> list[Action]:
     """Fewer usable nodes than the run needs: the allocation cannot recover, requeue it."""
     usable = _usable(run, removed)
-    if not removed or len(usable) >= run.nodes_needed:
+    # Removed this pass, or on a pass that set its silent nodes DOWN first (_fences).
+    fenced = any(key.startswith(f"fence:{job.job_id}:") for key in run.reported)
+    if not (removed or fenced) or len(usable) >= run.nodes_needed:
         return []
     spares_left = sum(1 for n in run.nodes if n.role is NodeRole.SPARE and n.name in usable)
     reason = (
@@ -591,9 +618,14 @@ def _capacity(run: RunView, job: JobView, view: ClusterView, removed: set[str]) 
         f"({spares_left} spares left); requeueing job {job.job_id} without "
         f"{', '.join(sorted(removed | run.excluded))}"
     )
+    silent = _silent_held(run, job)
+    if silent:
+        return _fences(run, job, silent)  # the requeue once Slurm shows them DOWN
+    key = f"requeue:{job.job_id}"  # once per attempt: the pass after the fences comes again
+    if key in run.reported:
+        return []
+    exclude = view.denylist | run.excluded | removed
     return [
-        RequeueJob(
-            run.run_id, reason, job_id=job.job_id, exclude=view.denylist | run.excluded | removed
-        ),
+        RequeueJob(run.run_id, reason, {"key": key}, job_id=job.job_id, exclude=exclude),
         NotifyHuman(run.run_id, f"spares exhausted: {reason}"),
     ]

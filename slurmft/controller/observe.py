@@ -22,6 +22,7 @@ from slurmft.controller.detect import RankBeat, RankCompute
 from slurmft.controller.intents import UNFINISHED, settle_interrupted
 from slurmft.controller.reconcile import reconcile
 from slurmft.controller.restarts import restart_evidence
+from slurmft.controller.spec import RunSpec, SpecError
 from slurmft.controller.step_window import StepWindows
 from slurmft.controller.views import (
     AgentSeen,
@@ -131,7 +132,16 @@ def job_view(info: JobInfo, nodes: Mapping[str, NodeInfo]) -> JobView | None:
         and host is not None
         and node_condition(nodes.get(host)) is NodeCondition.LOST
     )
-    return JobView(info.job_id, JobPhase.ACTIVE, batch_host=host, batch_host_down=host_down)
+    silent = frozenset(
+        name for name in info.nodes if (node := nodes.get(name)) and node.status.silent_not_down
+    )
+    return JobView(
+        info.job_id,
+        JobPhase.ACTIVE,
+        batch_host=host,
+        batch_host_down=host_down,
+        silent_nodes=silent,
+    )
 
 
 @dataclass(frozen=True)
@@ -397,11 +407,21 @@ def _run_view(
         gpu_faults=_gpu_faults(session, run.id, since),
         agents=_agents_seen(session, run.id, since),
         excluded=denied_nodes(session, run_id=run.id, now=now),
+        steps_ask_gres=_steps_ask_gres(run),
         budget=RestartBudget(restarts_without_progress=run.restarts_without_progress),
         restarts=None if run.state.is_terminal else restart_evidence(session, run),
         cancel_requested=run.cancel_requested_at is not None,
         reported=_reported_keys(session, run.id, since, now=now),
     )
+
+
+def _steps_ask_gres(run: Run) -> bool:
+    """The run's agent steps ask for GRES, by its stored spec. One this version cannot read
+    counts as asking: all that costs is a silent node set DOWN before a requeue."""
+    try:
+        return bool(RunSpec.from_dict(dict(run.spec)).step_gres)
+    except SpecError:
+        return True
 
 
 def _node_views(

@@ -79,6 +79,9 @@ class JobView:
     end: JobEnd | None = None
     batch_host: str | None = None
     batch_host_down: bool = False
+    # Nodes the job holds whose slurmd is silent, not DOWN yet: a job whose steps ask for GRES
+    # is never requeued holding one (Slurm 22.05 breaks its GPUs: docs/slurm.md).
+    silent_nodes: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -108,6 +111,7 @@ class RunView:
     gpu_faults: tuple[GpuFault, ...] = ()
     agents: tuple[AgentSeen, ...] = ()  # nodes whose agent reported in this attempt
     excluded: frozenset[str] = frozenset()  # nodes already out of this run
+    steps_ask_gres: bool = False  # its agent steps ask for GRES (GPUs) on each node
     # The count as stored (runs.restarts_without_progress); with `restarts`, decide counts anew.
     budget: RestartBudget = field(default_factory=RestartBudget)
     restarts: RestartEvidence | None = None  # None: the run has ended, nothing to count

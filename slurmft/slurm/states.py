@@ -251,6 +251,12 @@ class NodeStatus:
         return self.down or not self.responding
 
     @property
+    def silent_not_down(self) -> bool:
+        """Its slurmd does not answer, and Slurm has not marked it DOWN yet: a --no-kill job
+        still holds it (Slurm takes a node out of such a job only when it is DOWN)."""
+        return not self.responding and not self.down
+
+    @property
     def schedulable(self) -> bool:
         """Slurm may place new work here."""
         blocking = {NodeFlag.POWERED_DOWN, NodeFlag.REBOOT_REQUESTED, NodeFlag.INVALID_REG}

@@ -462,6 +462,53 @@ def test_an_unresponsive_node_is_drained_before_it_is_set_down() -> None:
     assert evict.evidence == {"seconds": 90.0}
 
 
+def _reported(actions: list[Action]) -> frozenset[str]:
+    """The keys the store holds once ``actions`` are recorded (observe._reported_keys)."""
+    keys = [a.key if isinstance(a, RecordEvent) else a.evidence.get("key") for a in actions]
+    return frozenset(k for k in keys if isinstance(k, str))
+
+
+@pytest.mark.parametrize(
+    ("case", "run", "first", "then"),
+    [
+        (
+            "batch host down",
+            _run(job=replace(RUNNING, batch_host_down=True, silent_nodes=frozenset({"n1"}))),
+            [("RecordEvent", "batch_host_down@n1"), ("ExcludeNode", "n1"), ("EvictNode", "n1")],
+            [("RequeueJob", "n1")],
+        ),
+        (
+            "no spare left",
+            _run(
+                job=replace(RUNNING, silent_nodes=frozenset({"n2"})),
+                nodes=_nodes(spares=0, lost=("n2",)),
+            ),
+            [("RecordEvent", "node_lost@n2"), ("ExcludeNode", "n2"), ("EvictNode", "n2")],
+            [("RequeueJob", "n2"), ("NotifyHuman", "")],
+        ),
+    ],
+)
+def test_a_gpu_job_is_requeued_only_once_slurm_shows_its_silent_nodes_down(
+    case: str, run: RunView, first: list[tuple[str, str]], then: list[tuple[str, str]]
+) -> None:
+    """Slurm 22.05 breaks the GPUs of a job requeued while it holds a silent node that is not
+    DOWN yet (docs/slurm.md): the daemon sets it DOWN, and requeues on a later pass."""
+    job = run.job
+    assert job is not None
+    gpu_run = replace(run, steps_ask_gres=True)
+    fenced = decide(_view(gpu_run), POLICY)
+    assert _summary(fenced) == first
+    assert fenced[-1].reason.startswith(f"slurmft: node {first[-1][1]} silent (slurmd not")
+    # Recorded, and Slurm does not show the DOWN yet (or refused it): nothing until it does.
+    node = first[-1][1]
+    waiting = replace(gpu_run, excluded=frozenset({node}), reported=_reported(fenced))
+    assert decide(_view(waiting), POLICY) == []
+    down = replace(waiting, job=replace(job, silent_nodes=frozenset()))
+    assert _summary(decide(_view(down), POLICY)) == then
+    # A job whose steps ask for no GRES is requeued at once, its node left to Slurm.
+    assert _summary(decide(_view(run), POLICY)) == [*first[:-1], *then]
+
+
 def test_one_node_is_drained_once_per_pass() -> None:
     both = (XID79, replace(XID79, gpu=4, description="Xid 48 double-bit ECC (GPU 4)", xid=48))
     actions = decide(_view(_run(gpu_faults=both)), POLICY)

@@ -53,6 +53,16 @@ def test_running_job_whose_batch_host_died() -> None:
     assert view.batch_host == "n1" and view.batch_host_down
 
 
+def test_a_held_node_whose_slurmd_is_silent_is_named_until_slurm_marks_it_down() -> None:
+    # A GRES job is requeued only once none is left (decide._silent_held): recorded sinfo of a
+    # node not responding (mixed*), then of the same node DOWN (down*).
+    job = dataclasses.replace(_job("show_job_batch_host_down"), nodes=("n1", "n2", "n3"))
+    silent = job_view(job, parse_sinfo_nodes(_stdout("sinfo_nodes_not_responding")))
+    down = job_view(job, parse_sinfo_nodes(_stdout("sinfo_nodes_down")))
+    assert silent is not None and silent.batch_host_down and silent.silent_nodes == {"n1"}
+    assert down is not None and down.batch_host_down and down.silent_nodes == frozenset()
+
+
 def test_a_requeued_job_completing_on_its_dead_batch_host_is_not_requeued_again() -> None:
     # Seen on the local cluster: after `scontrol requeue` the job reads COMPLETING, still with
     # the dead BatchHost, until slurmctld gives up on that node; a second requeue then fails.
