@@ -62,8 +62,9 @@ def release(
     node: Annotated[str, typer.Argument(help="The node's Slurm name.")],
     as_json: JSON = False,
 ) -> None:
-    """Admins only: end the node's denylist entries and, if slurmft drained it, resume it in
-    Slurm (a drain by anyone else is left as it is). Each step is recorded as an action."""
+    """Admins only: end the node's denylist entries and, if slurmft drained it or set it DOWN,
+    resume it in Slurm (anyone else's drain or DOWN is left as it is). Each step is recorded as
+    an action."""
     data = ask(ctx, "release_node", node=node)
     if as_json:
         echo_json(data)

@@ -6,8 +6,9 @@ lemon standing. Any user may list them (sinfo shows every user the same drains);
 entry names is shown to its owner and to admins only.
 
 Release is for admins (slurmft.controller.admins): it ends the node's denylist entries and
-resumes it in Slurm only if slurmft drained it (a drain slurmft recorded, and Slurm's reason
-still slurmft's), never a drain of someone else's. Each step is an action row with the reason.
+resumes it in Slurm only if slurmft drained it or set it DOWN (a drain or DOWN slurmft recorded,
+and Slurm's reason still slurmft's), never someone else's. Each step is an action row with the
+reason.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ class NodeOps:
             verdicts = judge_lemons(
                 xid_history(session, now=now), now=now, min_runs=self.lemon_min_runs
             )
-            drained_by_us = _drained_by_slurmft(session)
+            drained_by_us = _taken_out_by_slurmft(session)
         names = sorted(set(slurm or {}) | {e.node for e in entries} | set(failures))
         rows = []
         for name in names:
@@ -93,7 +94,7 @@ class NodeOps:
                 plan_action(session, ActionKind.DENYLIST_REMOVE, reason, node=node),
                 ActionStatus.DONE,
             )
-            ours = node in _drained_by_slurmft(session)
+            ours = node in _taken_out_by_slurmft(session)
         resumed, why = self._resume_if_ours(node, ours, who)
         return {"node": node, "denylist_entries_ended": removed, "resumed": resumed, "why": why}
 
@@ -102,10 +103,10 @@ class NodeOps:
             info = self.slurm.node(node)
         except SlurmError as error:
             return self._record_resume(node, False, f"Slurm did not answer: {error}", who)
-        if not info.status.drain_requested:
-            return False, "not drained in Slurm"
+        if not (info.status.drain_requested or info.status.down):
+            return False, "neither drained nor DOWN in Slurm"
         if not (ours and info.reason.startswith(OWN_DRAIN_PREFIX)):
-            return False, f"drained by someone else ({info.reason!r}): left as it is"
+            return False, f"taken out by someone else ({info.reason!r}): left as it is"
         try:
             self.slurm.resume(node)
         except SlurmError as error:
@@ -149,13 +150,17 @@ def _failures(session: Session) -> dict[str, dict[str, Any]]:
     }
 
 
-def _drained_by_slurmft(session: Session) -> set[str]:
-    """Nodes whose latest drain or resume by slurmft is a drain that was carried out."""
+_TAKEN_OUT = (ActionKind.DRAIN_NODE, ActionKind.EVICT_NODE)  # a drain, a DOWN
+
+
+def _taken_out_by_slurmft(session: Session) -> set[str]:
+    """Nodes whose latest drain, DOWN or resume by slurmft is a drain or a DOWN that was
+    carried out."""
     latest: dict[str, ActionKind] = {}
     rows = session.execute(
         select(Action.node, Action.kind)
         .where(
-            Action.kind.in_([ActionKind.DRAIN_NODE, ActionKind.RESUME_NODE]),
+            Action.kind.in_([*_TAKEN_OUT, ActionKind.RESUME_NODE]),
             Action.status == ActionStatus.DONE,
             Action.node.is_not(None),
         )
@@ -164,7 +169,7 @@ def _drained_by_slurmft(session: Session) -> set[str]:
     for node, kind in rows:
         if node is not None:
             latest[node] = kind
-    return {node for node, kind in latest.items() if kind is ActionKind.DRAIN_NODE}
+    return {node for node, kind in latest.items() if kind in _TAKEN_OUT}
 
 
 def _state(info: NodeInfo) -> str:

@@ -4,6 +4,9 @@ process, and what the store and the run's files say about it."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -33,6 +36,8 @@ TINY = [
     "--pg-timeout-s",
     "30",
 ]
+# The example under a worker that first records what it runs in (identity.jsonl).
+IDENTITY_TRAIN = str(Path(__file__).with_name("identity_train.py"))
 # The example's own script arguments; `submit` fills in the directories.
 EXAMPLE = ["-m", "slurmft.train.examples.tiny", "--ckpt-dir", "{ckpt}", "--out-dir", "{out}", *TINY]
 
@@ -183,3 +188,14 @@ def submit(
     cluster._jobs.append(submitted["job_id"])  # cancelled by the fixture whatever happens
     database = Database(f"sqlite:///{daemon.env['SLURMFT_PATHS_STATE_DIR']}/slurmft.db")
     return SubmittedRun(submitted["run_id"], submitted["job_id"], shared, database)
+
+
+def second_venv(where: Path) -> Path:
+    """A venv of its own whose packages are the first one's (a `.pth` that adds its
+    site-packages, editable installs included), so the job's interpreter is not this one."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(where)], check=True,
+                   timeout=120)  # fmt: skip
+    site = where / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}"
+    pth = site / "site-packages" / "first_venv.pth"
+    pth.write_text(f"import site; site.addsitedir({sysconfig.get_paths()['purelib']!r})\n")
+    return where / "bin" / "python"

@@ -1,5 +1,5 @@
-"""A training script for the job-environment test: each worker records what it runs in (its
-interpreter, two variables, its mount and pid namespaces), then trains as
+"""A training script for the environment tests: each worker records what it runs in (its
+interpreter, two variables, its mount and pid namespaces, its job, attempt and GPUs), then trains as
 slurmft.train.examples.tiny does, with the same arguments."""
 
 from __future__ import annotations
@@ -22,6 +22,9 @@ def main() -> None:
         "pid": os.readlink("/proc/self/ns/pid"),
         "node": os.environ.get("SLURMD_NODENAME"),
         "rank": os.environ.get("RANK"),
+        "job": os.environ.get("SLURM_JOB_ID"),
+        "restart": os.environ.get("SLURM_RESTART_COUNT", "0"),
+        "gpus": os.environ.get("SLURM_GPUS_ON_NODE"),
     }
     with (out / "identity.jsonl").open("a") as log:
         log.write(json.dumps(record) + "\n")

@@ -9,13 +9,11 @@ import json
 import os
 import shlex
 import subprocess
-import sys
-import sysconfig
 from pathlib import Path
 
 import pytest
 from daemon_process import DaemonProcess, run_slurmft
-from e2e_run import TINY, submit
+from e2e_run import IDENTITY_TRAIN, TINY, second_venv, submit
 from local_cluster import Cluster
 from support.waiting import wait_for_value
 
@@ -23,7 +21,6 @@ from slurmft.db.states import RunState
 
 pytestmark = [pytest.mark.slurm, pytest.mark.torch]
 
-IDENTITY_TRAIN = str(Path(__file__).with_name("identity_train.py"))
 SCRIPT = [IDENTITY_TRAIN, "--ckpt-dir", "{ckpt}", "--out-dir", "{out}", *TINY]
 
 
@@ -49,17 +46,6 @@ def hosts_file(where: Path, cluster: Cluster) -> Path:
     lines += [f"127.0.0.{10 + i} {name}" for i, name in enumerate(sorted(cluster.client.nodes()))]
     where.write_text("\n".join(lines) + "\n")
     return where
-
-
-def second_venv(where: Path) -> Path:
-    """A venv of its own whose packages are the first one's (a `.pth` that adds its
-    site-packages, editable installs included), so the job's interpreter is not this one."""
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(where)], check=True,
-                   timeout=120)  # fmt: skip
-    site = where / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}"
-    pth = site / "site-packages" / "first_venv.pth"
-    pth.write_text(f"import site; site.addsitedir({sysconfig.get_paths()['purelib']!r})\n")
-    return where / "bin" / "python"
 
 
 def test_setup_env_python_and_a_container_reach_every_worker_before_and_after_a_node_loss(

@@ -5,7 +5,9 @@ n6 was drained by slurmft (its drain action and denylist entry recorded, for one
 and Slurm's reason is slurmft's); n5 was drained by someone else. alice lists the nodes: she
 sees both drains and who made them, n6's denylist entry without bob's run id, and n5's failure
 count. Her release of n6 is refused. root's release of n6 ends the entry and resumes the node;
-root's release of n5 leaves that drain as it is. Every step is an action row with its reason.
+root's release of n5 leaves that drain as it is. n4 was set DOWN by slurmft (a silent node taken
+out of a GPU job before its requeue; its slurmd killed): root's release resumes it too. Every
+step is an action row with its reason.
 """
 
 from __future__ import annotations
@@ -29,8 +31,9 @@ from slurmft.db.states import RunState
 
 pytestmark = [pytest.mark.users, pytest.mark.slurm]
 
-OURS, THEIRS = "n6", "n5"
+OURS, THEIRS, FENCED = "n6", "n5", "n4"
 OUR_REASON = "slurmft: Xid 79 GPU has fallen off the bus (GPU 3)"
+FENCE_REASON = "slurmft: node n4 silent (slurmd not responding): DOWN so that GPU job 9 is requeued"
 
 
 @pytest.fixture
@@ -54,6 +57,8 @@ def _seed(database: Database, bob_uid: int) -> None:
         finish_action(drain, ActionStatus.DONE)
         denylist_add(s, OURS, OUR_REASON, action_id=drain.id)
         denylist_add(s, OURS, "slurmft: straggler", run_id="bobs-run")
+        fence = plan_action(s, ActionKind.EVICT_NODE, FENCE_REASON, run_id="bobs-run", node=FENCED)
+        finish_action(fence, ActionStatus.DONE)
 
 
 def _nodes(daemon: DaemonProcess, user: Any) -> dict[str, dict[str, Any]]:
@@ -70,6 +75,8 @@ def test_nodes_lists_drains_denylist_and_failures_and_only_admins_release(
     _seed(database, test_users.bob.uid)
     cluster.drain(OURS, OUR_REASON)
     cluster.drain(THEIRS, "maintenance: new DIMMs")
+    cluster.kill_node(FENCED)  # silent: DOWN sticks only there (ReturnToService=2 here)
+    cluster.client.down(FENCED, FENCE_REASON)
 
     seen = _nodes(root_daemon, test_users.alice)
     ours, theirs = seen[OURS], seen[THEIRS]
@@ -100,6 +107,9 @@ def test_nodes_lists_drains_denylist_and_failures_and_only_admins_release(
     left = json.loads(slurmft(env, "nodes", "release", THEIRS, "--json"))
     assert left["resumed"] is False and "someone else" in left["why"]
     assert cluster.client.node(THEIRS).status.drain_requested
+    fenced = json.loads(slurmft(env, "nodes", "release", FENCED, "--json"))
+    assert (fenced["resumed"], fenced["why"]) == (True, "resumed"), fenced
+    assert not cluster.client.node(FENCED).status.down
     with database.session() as s:
         assert denied_nodes(s, run_id="bobs-run") == frozenset()
         released_rows = s.scalars(
@@ -114,6 +124,9 @@ def test_nodes_lists_drains_denylist_and_failures_and_only_admins_release(
         (ActionKind.RESUME_NODE, OURS, ActionStatus.DONE, "released by root: resumed"),
         (ActionKind.DENYLIST_REMOVE, THEIRS, ActionStatus.DONE,
          "released by root: 0 denylist entries ended"),
+        (ActionKind.DENYLIST_REMOVE, FENCED, ActionStatus.DONE,
+         "released by root: 0 denylist entries ended"),
+        (ActionKind.RESUME_NODE, FENCED, ActionStatus.DONE, "released by root: resumed"),
     ]  # fmt: skip
 
     # The failure history and a run's report, for an ordinary user, through the daemon.

@@ -5,11 +5,12 @@ featured nodes, and every agent step holds gres/gpu on each node, also after a s
 lost node's place. Slurm gives a step no GRES it does not ask for (not even under --exclusive
 --gres=gpu:2), which is why slurmft's steps name them.
 
-Not here: a requeue of a GPU job. Slurm 22.05 breaks the GPU allocation of a job requeued
-while it still holds a lost node that Slurm has not yet marked DOWN: every step that asks for
-GPUs fails ("Invalid generic resource (gres) specification"; slurmctld: "_step_get_gres_cnt ...
-node offset invalid"), and the GPUs of its new nodes stay allocated after it ends. Measured
-here; docs/slurm.md has the reproduction. slurmft's requeue does not avoid it yet."""
+A GPU run keeps its GPUs, its --python and its --env through a requeue and a resubmission.
+Slurm 22.05 breaks the GPU allocation of a job requeued while it still holds a lost node that
+Slurm has not yet marked DOWN: every step that asks for GPUs fails ("Invalid generic resource
+(gres) specification"; slurmctld: "_step_get_gres_cnt ... node offset invalid"), and the GPUs
+of its new nodes stay allocated after it ends (docs/slurm.md has the reproduction). So the
+daemon sets such a node DOWN before the requeue, and the test checks that it did."""
 
 from __future__ import annotations
 
@@ -18,10 +19,11 @@ from pathlib import Path
 
 import pytest
 from daemon_process import DaemonProcess
-from e2e_run import TINY, SubmittedRun, submit
+from e2e_run import IDENTITY_TRAIN, TINY, SubmittedRun, second_venv, submit
 from local_cluster import Cluster
 from support.waiting import wait_for_value
 
+from slurmft.db.models import ActionKind, ActionStatus
 from slurmft.db.states import RunState
 from slurmft.slurm.parse import parse_scontrol_records
 
@@ -100,4 +102,74 @@ def test_an_exclusive_job_with_a_gres_gives_it_to_its_agent_steps(
     assert holds_gpus(step), step
     wait_for_value("the run to complete", lambda: run.run().state,
                    lambda state: state is RunState.COMPLETED, timeout_s=240)  # fmt: skip
+    run.database.dispose()
+
+
+def workers_of(run: SubmittedRun, job_id: str, restart: str, ranks: int) -> list[dict[str, str]]:
+    """The identity records of one attempt's workers, once ``ranks`` of them started."""
+
+    def records() -> list[dict[str, str]]:
+        rows = run.jsonl("identity.jsonl")
+        return [r for r in rows if (r["job"], r["restart"]) == (job_id, restart)]
+
+    found, _ = wait_for_value(f"{ranks} workers of job {job_id} (restart {restart})", records,
+                              lambda rows: len(rows) >= ranks, timeout_s=120)  # fmt: skip
+    return found
+
+
+def test_a_gpu_run_keeps_its_gpus_python_and_env_through_a_requeue_and_a_resubmission(
+    cluster: Cluster, daemon: DaemonProcess, tmp_path: Path
+) -> None:
+    python = second_venv(tmp_path / "venv2")
+    script = [IDENTITY_TRAIN, "--ckpt-dir", "{ckpt}", "--out-dir", "{out}", *TINY, "--steps", "150"]
+    run = submit(
+        cluster, daemon, tmp_path, script, name="gpu-requeue", nodes=2, spares=0,
+        env={"SLURMFT_E2E_MARK": "from --env"},
+        fields={"gpus_per_node": GPUS, "nproc_per_node": 1, "python": str(python)},
+    )  # fmt: skip
+    workers_of(run, run.job_id, "0", ranks=2)
+
+    # The batch host lost: set DOWN by the daemon before the requeue, so that the requeued job's
+    # agent step gets its GPUs.
+    host = cluster.client.job(run.job_id).batch_host
+    cluster.kill_node(host)
+    fences, _ = wait_for_value(
+        "the daemon to set the silent batch host DOWN",
+        lambda: [a for a in run.actions() if a.kind is ActionKind.EVICT_NODE and a.node == host],
+        lambda rows: any(a.status is not ActionStatus.PLANNED for a in rows), timeout_s=60,
+    )  # fmt: skip
+    (fence,) = fences
+    assert fence.status is ActionStatus.DONE and fence.reason.startswith(
+        f"slurmft: node {host} silent (slurmd not responding)"
+    ), (fence.status, fence.reason, fence.error)
+    requeued, _ = wait_for_value(
+        "the job requeued without its batch host", lambda: cluster.client.job(run.job_id),
+        lambda job: job.restarts == 1 and job.state.value == "RUNNING", timeout_s=90,
+    )  # fmt: skip
+    assert host not in requeued.nodes
+    workers_of(run, run.job_id, "1", ranks=2)
+    steps = agent_steps(run.job_id)
+    assert steps and all(holds_gpus(s) for s in steps), steps
+
+    # Preempted: a new job, submitted again as the owner, gets its GPUs too.
+    cluster.preempt(requeued.nodes[0])
+    attempts, _ = wait_for_value(
+        "the daemon to submit the run's job again", run.attempts,
+        lambda rows: rows[-1].slurm_job_id not in (None, run.job_id), timeout_s=90,
+    )  # fmt: skip
+    resubmitted = str(attempts[-1].slurm_job_id)
+    cluster._jobs.append(resubmitted)  # cancelled by the fixture whatever happens
+    workers_of(run, resubmitted, "0", ranks=2)
+    steps = agent_steps(resubmitted)
+    assert steps and all(holds_gpus(s) for s in steps), steps
+    wait_for_value("the run to complete", lambda: run.run().state,
+                   lambda state: state is RunState.COMPLETED, timeout_s=240)  # fmt: skip
+
+    records = run.jsonl("identity.jsonl")
+    assert {(r["job"], r["restart"]) for r in records} >= {
+        (run.job_id, "0"), (run.job_id, "1"), (resubmitted, "0")
+    }, records  # fmt: skip
+    for record in records:
+        assert (record["executable"], record["mark"]) == (str(python), "from --env"), record
+        assert record["gpus"] == str(GPUS), record
     run.database.dispose()
