@@ -5,8 +5,8 @@ featured nodes, and every agent step holds gres/gpu on each node, also after a s
 lost node's place. Slurm gives a step no GRES it does not ask for (not even under --exclusive
 --gres=gpu:2), which is why slurmft's steps name them.
 
-A GPU run keeps its GPUs, its --python and its --env through a requeue and a resubmission.
-Slurm 22.05 breaks the GPU allocation of a job requeued while it still holds a lost node that
+A GPU run keeps its GPUs, its --python, its --env and its setup line through a requeue and a
+resubmission. Slurm 22.05 breaks the GPU allocation of a job requeued while it still holds a lost node that
 Slurm has not yet marked DOWN: every step that asks for GPUs fails ("Invalid generic resource
 (gres) specification"; slurmctld: "_step_get_gres_cnt ... node offset invalid"), and the GPUs
 of its new nodes stay allocated after it ends (docs/slurm.md has the reproduction). So the
@@ -117,7 +117,7 @@ def workers_of(run: SubmittedRun, job_id: str, restart: str, ranks: int) -> list
     return found
 
 
-def test_a_gpu_run_keeps_its_gpus_python_and_env_through_a_requeue_and_a_resubmission(
+def test_a_gpu_run_keeps_its_gpus_and_environment_through_a_requeue_and_a_resubmission(
     cluster: Cluster, daemon: DaemonProcess, tmp_path: Path
 ) -> None:
     python = second_venv(tmp_path / "venv2")
@@ -125,7 +125,8 @@ def test_a_gpu_run_keeps_its_gpus_python_and_env_through_a_requeue_and_a_resubmi
     run = submit(
         cluster, daemon, tmp_path, script, name="gpu-requeue", nodes=2, spares=0,
         env={"SLURMFT_E2E_MARK": "from --env"},
-        fields={"gpus_per_node": GPUS, "nproc_per_node": 1, "python": str(python)},
+        fields={"gpus_per_node": GPUS, "nproc_per_node": 1, "python": str(python),
+                "setup": ["export SLURMFT_E2E_SETUP=from-setup"]},
     )  # fmt: skip
     workers_of(run, run.job_id, "0", ranks=2)
 
@@ -170,6 +171,8 @@ def test_a_gpu_run_keeps_its_gpus_python_and_env_through_a_requeue_and_a_resubmi
         (run.job_id, "0"), (run.job_id, "1"), (resubmitted, "0")
     }, records  # fmt: skip
     for record in records:
-        assert (record["executable"], record["mark"]) == (str(python), "from --env"), record
+        assert (record["executable"], record["mark"], record["from_setup"]) == (
+            str(python), "from --env", "from-setup"
+        ), record  # fmt: skip
         assert record["gpus"] == str(GPUS), record
     run.database.dispose()
