@@ -6,11 +6,12 @@ lost node's place. Slurm gives a step no GRES it does not ask for (not even unde
 --gres=gpu:2), which is why slurmft's steps name them.
 
 A GPU run keeps its GPUs, its --python, its --env and its setup line through a requeue and a
-resubmission. Slurm 22.05 breaks the GPU allocation of a job requeued while it still holds a lost node that
-Slurm has not yet marked DOWN: every step that asks for GPUs fails ("Invalid generic resource
-(gres) specification"; slurmctld: "_step_get_gres_cnt ... node offset invalid"), and the GPUs
-of its new nodes stay allocated after it ends (docs/slurm.md has the reproduction). So the
-daemon sets such a node DOWN before the requeue, and the test checks that it did."""
+resubmission. Slurm 22.05 breaks the GPU allocation of a job requeued while it still holds a
+lost node that Slurm has not yet marked DOWN: every step that asks for GPUs fails ("Invalid
+generic resource (gres) specification"; slurmctld: "_step_get_gres_cnt ... node offset
+invalid"), and the GPUs of its new nodes stay allocated after it ends (docs/slurm.md has the
+reproduction). So the daemon sets such a node DOWN before the requeue, and the test checks
+that it did."""
 
 from __future__ import annotations
 
