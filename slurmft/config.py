@@ -502,6 +502,14 @@ class PolicySection(Section):
         "evicts it from a --no-kill job. Agents report at least every 2 s (a keep-alive).",
         minimum=5.0,
     )
+    confirm_s: float = setting_field(
+        10.0,
+        "A Slurm fact that changes a job's fate (a node or the batch host lost) is acted on once "
+        "it has held this long (two polls at the default poll interval), or at once when the "
+        "node's agent has been silent this long too (the second source): a node that reads "
+        "not-responding for a moment costs no requeue, exclusion or DOWN.",
+        minimum=0.0,
+    )
     restart_command_ttl_s: float = setting_field(
         120.0,
         "A worker restart decided for a node (a hang, a restart-class GPU fault) waits for the "

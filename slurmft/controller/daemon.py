@@ -47,6 +47,7 @@ from slurmft.controller.decide import Policy, decide
 from slurmft.controller.health import OPS_LIMITS, LoopLiveness, OpsServer, check_health
 from slurmft.controller.http import IngestServer, server_tls
 from slurmft.controller.limits import RateLimits
+from slurmft.controller.lost_sightings import LostSightings
 from slurmft.controller.metrics import SCHEDULER_EVENTS, DaemonMetrics, TimedRunner
 from slurmft.controller.notify import Notifier
 from slurmft.controller.observe import observe
@@ -137,6 +138,8 @@ class Daemon:
         self._restart_ttl = timedelta(seconds=settings.policy.restart_command_ttl_s)
         # The straggler window's step times, read incrementally from one pass to the next.
         self.step_windows = StepWindows()
+        # Since when each lost node has been lost: Slurm's word is confirmed before it is acted on.
+        self.lost_sightings = LostSightings()
         self.passes = 0
         self.last_pass_at: datetime | None = None
         self.skipped_because: str | None = None  # why the last pass decided nothing
@@ -168,6 +171,7 @@ class Daemon:
                     bucket=self.policy.straggler_bucket,
                     buckets=self.policy.straggler_window_buckets,
                     steps=self.step_windows,
+                    lost=self.lost_sightings,
                 )
             # Before this pass plans new ones: a worker restart nobody fetched in time is void.
             self.executor.expire_commands(self.clock(), self._restart_ttl)

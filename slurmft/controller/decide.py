@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, replace
-from datetime import timedelta
+from datetime import datetime, timedelta
 from functools import partial
 from typing import Any, Required, TypedDict, Unpack
 
@@ -82,6 +82,7 @@ class Policy:
     straggler_window_buckets: int = STRAGGLER_WINDOW_BUCKETS
     silent_after_s: float = PolicySection.silent_after_s
     unresponsive_after_s: float = PolicySection.unresponsive_after_s
+    confirm_s: float = PolicySection.confirm_s
     max_restarts_without_progress: int = PolicySection.max_restarts_without_progress
     trust: TrustPolicy = TrustPolicy()
 
@@ -98,6 +99,7 @@ class Policy:
             straggler_window_s=policy.straggler_window_s,
             silent_after_s=policy.silent_after_s,
             unresponsive_after_s=policy.unresponsive_after_s,
+            confirm_s=policy.confirm_s,
             max_restarts_without_progress=policy.max_restarts_without_progress,
             trust=TrustPolicy(
                 drain_gpu_faults=trust.drain_gpu_faults,
@@ -233,7 +235,9 @@ def _decide_run(
         return _job_ended(run, job, view)
     if run.budget.exhausted:
         return _stop(run, run.budget.stop_reason(), job_id=job.job_id)
-    if job.batch_host_down and job.batch_host:
+    if job.batch_host_down and job.batch_host and _confirmed(
+        run, job.batch_host, job.batch_host_lost_since, view, policy
+    ):
         return _batch_host_down(run, job, view)
     actions: list[Action] = []
     removed: set[str] = set()
@@ -396,6 +400,19 @@ def _keep_excluded(run: RunView, job: JobView, view: ClusterView) -> list[Action
     return [ExcludeFromJob(run.run_id, reason, {"key": key}, job_id=job.job_id, nodes=nodes)]
 
 
+def _confirmed(
+    run: RunView, node: str, since: datetime | None, view: ClusterView, policy: Policy
+) -> bool:
+    """Slurm's word that ``node`` is lost, confirmed (the confirmed Slurm fact of DESIGN.md):
+    it has held for ``policy.confirm_s``, or the node's agent has been silent as long (the
+    second source: its keep-alive comes at least every 2 s). ``since`` None: not in doubt.
+    Slurm was seen marking a just-resumed node not responding for under a second."""
+    if since is None or (view.now - since).total_seconds() >= policy.confirm_s:
+        return True
+    heard = max((a.last_report_at for a in run.agents if a.node == node), default=None)
+    return heard is not None and (view.now - heard).total_seconds() >= policy.confirm_s
+
+
 def _lost_nodes(
     run: RunView, view: ClusterView, policy: Policy, gate: _DrainGate
 ) -> tuple[list[Action], set[str]]:
@@ -404,6 +421,10 @@ def _lost_nodes(
     for node in run.nodes:
         if node.name in run.excluded or node.condition is NodeCondition.OK:
             continue
+        if node.condition is NodeCondition.LOST and not _confirmed(
+            run, node.name, node.lost_since, view, policy
+        ):
+            continue  # Slurm's word alone, not for long yet: the next pass looks again
         if node.condition is NodeCondition.LOST:
             reason = f"slurmft: node {node.name} lost ({node.role.value})"
             actions += _event(

@@ -20,6 +20,7 @@ from sqlalchemy.orm import Session
 from slurmft.controller.allocation import judge_allocation_reports, judge_evidence
 from slurmft.controller.detect import RankBeat, RankCompute
 from slurmft.controller.intents import UNFINISHED, settle_interrupted
+from slurmft.controller.lost_sightings import LostSightings
 from slurmft.controller.reconcile import reconcile
 from slurmft.controller.restarts import restart_evidence
 from slurmft.controller.spec import RunSpec, SpecError
@@ -115,8 +116,13 @@ def job_end(info: JobInfo) -> JobEnd:
     return _END_BY_EXIT.get(code, JobEnd.FAILED) if code is not None else JobEnd.FAILED
 
 
-def job_view(info: JobInfo, nodes: Mapping[str, NodeInfo]) -> JobView | None:
-    """None when the state is one this Slurm table does not know: never act on it."""
+def job_view(
+    info: JobInfo,
+    nodes: Mapping[str, NodeInfo],
+    lost_since: Mapping[str, datetime] | None = None,
+) -> JobView | None:
+    """None when the state is one this Slurm table does not know: never act on it.
+    ``lost_since``: since when each lost node has been seen lost (LostSightings)."""
     phase = info.state.phase
     if phase is JobPhase.UNKNOWN:
         return None
@@ -140,6 +146,7 @@ def job_view(info: JobInfo, nodes: Mapping[str, NodeInfo]) -> JobView | None:
         JobPhase.ACTIVE,
         batch_host=host,
         batch_host_down=host_down,
+        batch_host_lost_since=(lost_since or {}).get(host or "") if host_down else None,
         silent_nodes=silent,
     )
 
@@ -221,10 +228,12 @@ def observe(
     bucket: timedelta = timedelta(minutes=1),
     buckets: int = 5,
     steps: StepWindows | None = None,
+    lost: LostSightings | None = None,
 ) -> ClusterView:
     """The observe stage of a control pass: ask Slurm (`read_slurm`), record what it says about
     the tracked jobs (`reconcile`, the one writer), then read everything ``decide`` needs
-    (`gather`). Slurm unreachable: nothing recorded, a view that decides nothing."""
+    (`gather`). Slurm unreachable: nothing recorded, a view that decides nothing. ``lost``
+    (the daemon's, kept between passes) says since when each lost node has been lost."""
     try:
         settle_interrupted(session, slurm)  # before the attempts are read: it may open one
     except (SlurmUnreachable, SlurmTimeout):
@@ -241,7 +250,11 @@ def observe(
     # run's own (foreign false) is gathered below.
     judge_allocation_reports(session, slurm, now=now)
     judge_evidence(session, [run.id for run in snapshot.runs])
-    return gather(session, snapshot, now=now, bucket=bucket, buckets=buckets, steps=steps)
+    lost_since = lost.update(snapshot.nodes, now) if lost is not None else {}
+    return gather(
+        session, snapshot, now=now, bucket=bucket, buckets=buckets, steps=steps,
+        lost_since=lost_since,
+    )  # fmt: skip
 
 
 def read_slurm(session: Session, slurm: SlurmClient) -> SlurmSnapshot | None:
@@ -283,6 +296,7 @@ def gather(
     bucket: timedelta = timedelta(minutes=1),
     buckets: int = 5,
     steps: StepWindows | None = None,
+    lost_since: Mapping[str, datetime] | None = None,
 ) -> ClusterView:
     """Everything ``decide`` needs, from the store and Slurm's snapshot. Reads only.
 
@@ -306,6 +320,7 @@ def gather(
                     bucket=bucket,
                     buckets=buckets,
                     steps=steps,
+                    lost_since=lost_since or {},
                 )
             )
         except SQLAlchemyError:
@@ -379,9 +394,10 @@ def _run_view(
     bucket: timedelta,
     buckets: int,
     steps: StepWindows | None = None,
+    lost_since: Mapping[str, datetime],
 ) -> RunView:
     info = jobs.get(attempt.slurm_job_id) if attempt and attempt.slurm_job_id else None
-    job = job_view(info, nodes) if info else None
+    job = job_view(info, nodes, lost_since) if info else None
     since = attempt.submitted_at if attempt else run.created_at
     placed_since = _placed_since(session, run.id, since)
     window_since = max(now - bucket * buckets, placed_since)
@@ -400,7 +416,7 @@ def _run_view(
         nodes=(
             _lost_by_requeue(session, attempt, nodes)
             if job is not None and job.phase is JobPhase.WAITING
-            else _node_views(session, attempt, info, nodes)
+            else _node_views(session, attempt, info, nodes, lost_since)
         ),
         beats=_beats(session, run.id, attempt, placed_since),
         compute=compute,
@@ -429,6 +445,7 @@ def _node_views(
     attempt: Attempt | None,
     info: JobInfo | None,
     nodes: Mapping[str, NodeInfo],
+    lost_since: Mapping[str, datetime] | None = None,
 ) -> tuple[NodeView, ...]:
     # The allocation's nodes (the batch step's report, checked against Slurm) give the roles;
     # one that left it is no longer the run's.
@@ -450,7 +467,9 @@ def _node_views(
     for name in sorted(held | started_with):
         # A node the job no longer holds was taken away from it (shrunk under --no-kill).
         condition = node_condition(nodes.get(name)) if name in held else NodeCondition.LOST
-        views.append(NodeView(name, roles.get(name, NodeRole.ACTIVE), condition))
+        # Since when, for a lost node the job still holds: Slurm's word, to be confirmed.
+        since = (lost_since or {}).get(name) if name in held else None
+        views.append(NodeView(name, roles.get(name, NodeRole.ACTIVE), condition, since))
     return tuple(views)
 
 

@@ -45,6 +45,9 @@ class NodeView:
     name: str
     role: NodeRole
     condition: NodeCondition = NodeCondition.OK
+    # LOST: when Slurm was first seen calling it lost in an unbroken series of passes; None when
+    # that is not in doubt (DOWN and taken out of the job, no longer listed, no history kept).
+    lost_since: datetime | None = None
 
 
 @dataclass(frozen=True)
@@ -79,6 +82,7 @@ class JobView:
     end: JobEnd | None = None
     batch_host: str | None = None
     batch_host_down: bool = False
+    batch_host_lost_since: datetime | None = None  # as NodeView.lost_since
     # Nodes the job holds whose slurmd is silent, not DOWN yet: a job whose steps ask for GRES
     # is never requeued holding one (Slurm 22.05 breaks its GPUs: docs/slurm.md).
     silent_nodes: frozenset[str] = frozenset()

@@ -33,6 +33,7 @@ def daemon_env(tmp_path: Path) -> dict[str, str]:
         "SLURMFT_PATHS_STATE_DIR": str(tmp_path / "state"),
         "SLURMFT_PATHS_RUNTIME_DIR": str(tmp_path / "run"),
         "SLURMFT_DAEMON_POLL_INTERVAL_S": "1",
+        "SLURMFT_POLICY_CONFIRM_S": "2",  # two polls, as the defaults are
         # A fixed port: agents keep the URL they were given across daemon restarts.
         "SLURMFT_DAEMON_INGEST_LISTEN": f"127.0.0.1:{free_port()}",
         "SLURMFT_DAEMON_METRICS_LISTEN": "127.0.0.1:0",

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import subprocess
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from slurm_clusters import CLUSTER_SCRIPT
@@ -28,7 +29,8 @@ class Cluster:
         self.client = client
         self.tmp_path = tmp_path
         # The cluster script finds the cluster by its root: <root>/etc/slurm.conf.
-        self._script_env = {**os.environ, "SLURMFT_CLUSTER_ROOT": str(slurm_conf.parents[1])}
+        self._root = slurm_conf.parents[1]
+        self._script_env = {**os.environ, "SLURMFT_CLUSTER_ROOT": str(self._root)}
         self._jobs: list[str] = []
         self._killed: set[str] = set()
         self._drained: set[str] = set()
@@ -79,6 +81,18 @@ class Cluster:
     def kill_node(self, node: str) -> None:
         self._killed.add(node)
         self._script("kill-node", node)
+
+    @contextlib.contextmanager
+    def slurmd_stopped(self, node: str) -> Iterator[None]:
+        """``node``'s slurmd stopped (SIGSTOP) while the body runs, continued (SIGCONT) on
+        leaving, pass or fail. Its steps run on; Slurm soon calls the node not responding, and
+        DOWN after SlurmdTimeout (5 s here) of silence."""
+        pid = int((self._root / "run" / f"slurmd-{node}.pid").read_text().split()[0])
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            os.kill(pid, signal.SIGCONT)
 
     def revive(self, node: str) -> None:
         self._script("revive", node)

@@ -1,7 +1,11 @@
 """A killed batch host on the real local Slurm cluster. Under `--no-kill` Slurm keeps such a job
 RUNNING forever (notes/local-slurm.md): the daemon must see that the node holding the batch
 step is gone and requeue the job without it. The requeued job (same job id, a new attempt) runs
-on the other nodes, resumes from the last checkpoint at the same world size, and completes."""
+on the other nodes, resumes from the last checkpoint at the same world size, and completes.
+
+And a batch host that Slurm calls not responding for a moment (its slurmd stopped for a few
+seconds, its steps running on) costs nothing: Slurm's word is acted on only once confirmed
+(policy.confirm_s, or the node's agent silent as long)."""
 
 from __future__ import annotations
 
@@ -9,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from daemon_process import DaemonProcess
+from daemon_process import DaemonProcess, running_daemon
 from e2e_run import TINY, submit
 from local_cluster import Cluster
 from support.waiting import wait_for_value
@@ -87,3 +91,42 @@ def test_killed_batch_host_is_requeued_without_it_and_the_run_completes(
         f"running again on {sorted(second_nodes)} after {running_again_s:.1f} s"
     )
     run.database.dispose()
+
+
+def test_a_batch_host_not_responding_for_a_moment_costs_no_requeue(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    # The default confirmation (two polls at the default 5 s): Slurm's not-responding lasts
+    # from its failed ping until its next one answers, which here can be over 2 s.
+    with running_daemon(tmp_path, SLURMFT_POLICY_CONFIRM_S="10") as daemon:
+        script = ["-m", "slurmft.train.examples.tiny", "--ckpt-dir", "{ckpt}", "--out-dir",
+                  "{out}", *TINY]  # fmt: skip
+        run = submit(cluster, daemon, tmp_path, script, name="flicker", spares=0)
+        run.wait_training()
+        host = cluster.client.job(run.job_id).batch_host
+        stopped_at = time.monotonic()
+        with cluster.slurmd_stopped(host):
+            # Continued as soon as Slurm says it: before Slurm's DOWN (SlurmdTimeout).
+            _, silent_s = wait_for_value(
+                "Slurm to call the batch host not responding",
+                lambda: cluster.client.node(host).status,
+                lambda status: not status.responding,
+                timeout_s=20,
+            )
+        _, answered_s = wait_for_value(
+            "the batch host answering again",
+            lambda: cluster.client.node(host).status,
+            lambda status: status.responding,
+            timeout_s=30,
+        )
+        assert not cluster.client.node(host).status.down, "Slurm set it DOWN: stopped too long"
+        run.wait_completed(60)
+        job = cluster.client.job(run.job_id)
+        assert (job.restarts, host in job.nodes) == (0, True), job
+        assert run.events(Event.kind.in_([EventKind.BATCH_HOST_DOWN, EventKind.NODE_LOST])) == []
+        kinds = {a.kind for a in run.actions()}
+        assert not kinds & {ActionKind.REQUEUE, ActionKind.AGENT_LEAVE, ActionKind.EVICT_NODE}
+        print(f"\nslurmd of batch host {host} stopped: not responding after {silent_s:.1f} s, "
+              f"answering {answered_s:.1f} s after the SIGCONT "
+              f"({time.monotonic() - stopped_at:.0f} s ago); no requeue, no exclusion")  # fmt: skip
+        run.database.dispose()

@@ -47,6 +47,7 @@ def daemon_env(tmp_path: Path, notify_socket: tuple[str, socket.socket]) -> dict
         "SLURMFT_PATHS_STATE_DIR": str(tmp_path / "state"),
         "SLURMFT_PATHS_RUNTIME_DIR": str(tmp_path / "run"),
         "SLURMFT_DAEMON_POLL_INTERVAL_S": "1",
+        "SLURMFT_POLICY_CONFIRM_S": "2",
         "SLURMFT_DAEMON_INGEST_LISTEN": "127.0.0.1:0",
         "SLURMFT_DAEMON_METRICS_LISTEN": f"127.0.0.1:{_free_port()}",
         "SLURMFT_SLURM_CONF": os.environ["SLURM_CONF"],

@@ -16,6 +16,7 @@ that it did."""
 from __future__ import annotations
 
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -135,7 +136,8 @@ def test_a_gpu_run_keeps_its_gpus_and_environment_through_a_requeue_and_a_resubm
     # agent step gets its GPUs.
     host = cluster.client.job(run.job_id).batch_host
     cluster.kill_node(host)
-    fences, _ = wait_for_value(
+    killed_at = time.monotonic()
+    fences, fenced_s = wait_for_value(
         "the daemon to set the silent batch host DOWN",
         lambda: [a for a in run.actions() if a.kind is ActionKind.EVICT_NODE and a.node == host],
         lambda rows: any(a.status is not ActionStatus.PLANNED for a in rows), timeout_s=60,
@@ -149,7 +151,11 @@ def test_a_gpu_run_keeps_its_gpus_and_environment_through_a_requeue_and_a_resubm
         lambda job: job.restarts == 1 and job.state.value == "RUNNING", timeout_s=90,
     )  # fmt: skip
     assert host not in requeued.nodes
+    running_s = time.monotonic() - killed_at
     workers_of(run, run.job_id, "1", ranks=2)
+    print(f"\nbatch host {host} killed: set DOWN by the daemon {fenced_s:.1f} s after the kill, "
+          f"requeued and RUNNING {running_s:.1f} s after the kill, workers started "
+          f"{time.monotonic() - killed_at:.1f} s after it")  # fmt: skip
     steps = agent_steps(run.job_id)
     assert steps and all(holds_gpus(s) for s in steps), steps
 

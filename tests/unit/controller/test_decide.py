@@ -509,6 +509,57 @@ def test_a_gpu_job_is_requeued_only_once_slurm_shows_its_silent_nodes_down(
     assert _summary(decide(_view(run), POLICY)) == [*first[:-1], *then]
 
 
+CONFIRM = replace(POLICY, confirm_s=10.0)
+
+
+@pytest.mark.parametrize(
+    ("case", "run", "acted"),
+    [
+        (
+            "batch host",
+            _run(job=replace(RUNNING, batch_host_down=True, batch_host_lost_since=NOW)),
+            [("RecordEvent", "batch_host_down@n1"), ("ExcludeNode", "n1"), ("RequeueJob", "n1")],
+        ),
+        (
+            "a node with no spare left",
+            _run(nodes=_nodes(spares=0, lost=("n2",))),
+            [
+                ("RecordEvent", "node_lost@n2"),
+                ("ExcludeNode", "n2"),
+                ("RequeueJob", "n2"),
+                ("NotifyHuman", ""),
+            ],
+        ),
+    ],
+)
+def test_slurms_word_that_a_node_is_lost_is_acted_on_only_once_confirmed(
+    case: str, run: RunView, acted: list[tuple[str, str]]
+) -> None:
+    """A node Slurm calls lost for one pass, while its agent still reports, costs nothing (a
+    just-resumed node reads not-responding for under a second): it is acted on once it has
+    held for confirm_s, or at once when the node's agent has been silent as long too."""
+    node = acted[0][1].split("@")[-1]
+    talking = _agents()  # every agent reported a second ago
+    for lost_s, agents, expected in [
+        (0, talking, []),
+        (9, talking, []),
+        (10, talking, acted),  # held for confirm_s
+        (0, _agents(**{node: 10.0}), acted),  # its agent silent as long: at once
+        (0, _agents(**{node: 9.0}), []),
+    ]:
+        view = _view(replace(_lost_for(run, node, lost_s), agents=agents))
+        assert _summary(decide(view, CONFIRM)) == expected, (lost_s, agents)
+
+
+def _lost_for(run: RunView, node: str, seconds: float) -> RunView:
+    """``run`` with Slurm calling ``node`` lost for ``seconds`` (its batch host, or a node)."""
+    since = NOW - timedelta(seconds=seconds)
+    if run.job is not None and run.job.batch_host == node and run.job.batch_host_down:
+        return replace(run, job=replace(run.job, batch_host_lost_since=since))
+    nodes = tuple(replace(n, lost_since=since) if n.name == node else n for n in run.nodes)
+    return replace(run, nodes=nodes)
+
+
 def test_one_node_is_drained_once_per_pass() -> None:
     both = (XID79, replace(XID79, gpu=4, description="Xid 48 double-bit ECC (GPU 4)", xid=48))
     actions = decide(_view(_run(gpu_faults=both)), POLICY)

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from slurmft.controller.lost_sightings import LostSightings
 from slurmft.controller.observe import (
     StepSample,
     _node_views,
@@ -61,6 +62,28 @@ def test_a_held_node_whose_slurmd_is_silent_is_named_until_slurm_marks_it_down()
     down = job_view(job, parse_sinfo_nodes(_stdout("sinfo_nodes_down")))
     assert silent is not None and silent.batch_host_down and silent.silent_nodes == {"n1"}
     assert down is not None and down.batch_host_down and down.silent_nodes == frozenset()
+
+
+def test_a_lost_node_is_dated_from_its_first_sighting_until_it_answers_again() -> None:
+    """Recorded sinfo: n1 not responding (mixed*), then DOWN (down*), then all answering."""
+    sightings, t0 = LostSightings(), datetime(2026, 12, 2, 3, 0, tzinfo=UTC)
+    silent = parse_sinfo_nodes(_stdout("sinfo_nodes_not_responding"))
+    down = parse_sinfo_nodes(_stdout("sinfo_nodes_down"))
+    healthy = parse_sinfo_nodes(_stdout("sinfo_nodes_drained"))
+    assert sightings.update(silent, t0) == {"n1": t0}
+    assert sightings.update(down, t0 + timedelta(seconds=5)) == {"n1": t0}  # the same loss
+    assert sightings.update(healthy, t0 + timedelta(seconds=10)) == {}
+    later = t0 + timedelta(seconds=15)
+    assert sightings.update(silent, later) == {"n1": later}  # a new loss, dated anew
+    job = dataclasses.replace(_job("show_job_batch_host_down"), nodes=("n1", "n2", "n3"))
+    view = job_view(job, silent, {"n1": t0})
+    assert view is not None and view.batch_host_lost_since == t0
+    views = _node_views(None, None, job, silent, {"n1": t0})  # type: ignore[arg-type]
+    assert [(n.name, n.condition, n.lost_since) for n in views] == [
+        ("n1", NodeCondition.LOST, t0),
+        ("n2", NodeCondition.OK, None),
+        ("n3", NodeCondition.OK, None),
+    ]
 
 
 def test_a_requeued_job_completing_on_its_dead_batch_host_is_not_requeued_again() -> None:
