@@ -10,8 +10,8 @@ resubmission. Slurm 22.05 breaks the GPU allocation of a job requeued while it s
 lost node that Slurm has not yet marked DOWN: every step that asks for GPUs fails ("Invalid
 generic resource (gres) specification"; slurmctld: "_step_get_gres_cnt ... node offset
 invalid"), and the GPUs of its new nodes stay allocated after it ends (docs/slurm.md has the
-reproduction). So the daemon sets such a node DOWN before the requeue, and the test checks
-that it did."""
+reproduction). So the daemon sets such a node DOWN before the requeue (unit-tested in
+test_decide), and this test checks the requeued job's GPU steps."""
 
 from __future__ import annotations
 
@@ -132,29 +132,28 @@ def test_a_gpu_run_keeps_its_gpus_and_environment_through_a_requeue_and_a_resubm
     )  # fmt: skip
     workers_of(run, run.job_id, "0", ranks=2)
 
-    # The batch host lost: set DOWN by the daemon before the requeue, so that the requeued job's
-    # agent step gets its GPUs.
+    # The batch host lost: DOWN before the requeue, so that the requeued job's agent step gets
+    # its GPUs. The daemon sets it DOWN once it sees the node silent (about 4 s after the kill
+    # here); Slurm's own DOWN comes about 9 s after it, and on a loaded machine it may come
+    # first. Either way the requeued job's GPU steps are what shows it was DOWN in time.
     host = cluster.client.job(run.job_id).batch_host
     cluster.kill_node(host)
     killed_at = time.monotonic()
-    fences, fenced_s = wait_for_value(
-        "the daemon to set the silent batch host DOWN",
-        lambda: [a for a in run.actions() if a.kind is ActionKind.EVICT_NODE and a.node == host],
-        lambda rows: any(a.status is not ActionStatus.PLANNED for a in rows), timeout_s=60,
-    )  # fmt: skip
-    (fence,) = fences
-    assert fence.status is ActionStatus.DONE and fence.reason.startswith(
-        f"slurmft: node {host} silent (slurmd not responding)"
-    ), (fence.status, fence.reason, fence.error)
-    requeued, _ = wait_for_value(
+    requeued, running_s = wait_for_value(
         "the job requeued without its batch host", lambda: cluster.client.job(run.job_id),
         lambda job: job.restarts == 1 and job.state.value == "RUNNING", timeout_s=90,
     )  # fmt: skip
     assert host not in requeued.nodes
-    running_s = time.monotonic() - killed_at
+    fences = [a for a in run.actions() if a.kind is ActionKind.EVICT_NODE and a.node == host]
+    assert len(fences) <= 1, fences  # once per job and node
+    for fence in fences:
+        assert fence.status is ActionStatus.DONE and fence.reason.startswith(
+            f"slurmft: node {host} silent (slurmd not responding)"
+        ), (fence.status, fence.reason, fence.error)
     workers_of(run, run.job_id, "1", ranks=2)
-    print(f"\nbatch host {host} killed: set DOWN by the daemon {fenced_s:.1f} s after the kill, "
-          f"requeued and RUNNING {running_s:.1f} s after the kill, workers started "
+    down_by = "the daemon" if fences else "Slurm (before the daemon's pass)"
+    print(f"\nbatch host {host} killed: set DOWN by {down_by}; requeued and RUNNING "
+          f"{running_s:.1f} s after the kill, workers started "
           f"{time.monotonic() - killed_at:.1f} s after it")  # fmt: skip
     steps = agent_steps(run.job_id)
     assert steps and all(holds_gpus(s) for s in steps), steps
