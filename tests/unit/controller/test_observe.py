@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from slurmft.controller.decide import Policy, decide
 from slurmft.controller.lost_sightings import LostSightings
 from slurmft.controller.observe import (
     StepSample,
@@ -19,7 +20,15 @@ from slurmft.controller.observe import (
     node_condition,
     rank_compute,
 )
-from slurmft.controller.views import JobEnd, JobPhase, NodeCondition, NodeView
+from slurmft.controller.views import (
+    AgentSeen,
+    ClusterView,
+    JobEnd,
+    JobPhase,
+    NodeCondition,
+    NodeView,
+    RunView,
+)
 from slurmft.db.models import Attempt, NodeRole
 from slurmft.slurm.api import JobInfo
 from slurmft.slurm.parse import job_from_scontrol, parse_scontrol_records, parse_sinfo_nodes
@@ -84,6 +93,24 @@ def test_a_lost_node_is_dated_from_its_first_sighting_until_it_answers_again() -
         ("n2", NodeCondition.OK, None),
         ("n3", NodeCondition.OK, None),
     ]
+
+
+def test_one_poll_of_a_batch_host_not_responding_requeues_nothing_two_polls_do() -> None:
+    """Recorded scontrol (a running job on n1-n3, batch host n1) and sinfo (n1 `mixed*`) through
+    observe's sightings and decide, as the daemon's passes do, the agents reporting."""
+    job = dataclasses.replace(_job("show_job_batch_host_down"), nodes=("n1", "n2", "n3"))
+    silent = parse_sinfo_nodes(_stdout("sinfo_nodes_not_responding"))
+    policy, sightings = Policy(confirm_s=10.0), LostSightings()
+    t0 = datetime(2026, 12, 2, 3, 0, tzinfo=UTC)
+
+    def decided(now: datetime) -> list[str]:
+        view = job_view(job, silent, sightings.update(silent, now))
+        run = RunView("r1", 3, view, agents=tuple(AgentSeen(n, now) for n in job.nodes))
+        return [type(a).__name__ for a in decide(ClusterView(now, True, (run,)), policy)]
+
+    assert decided(t0) == []  # one poll: Slurm's word alone
+    assert decided(t0 + timedelta(seconds=5)) == []
+    assert decided(t0 + timedelta(seconds=10)) == ["RecordEvent", "ExcludeNode", "RequeueJob"]
 
 
 def test_a_requeued_job_completing_on_its_dead_batch_host_is_not_requeued_again() -> None:
