@@ -40,6 +40,7 @@ from slurmft.db.models import (
     Event,
     EventKind,
     Run,
+    utcnow,
 )
 from slurmft.db.records import OBSERVE_ONLY as OBSERVE_ONLY
 from slurmft.db.records import (
@@ -365,6 +366,7 @@ class Executor:
         if run is not None and not run.state.is_terminal:
             run.state = state
             run.end_reason = reason
+            run.ended_at = utcnow()  # the run's wall time ends here (run_effective_time)
 
 
 class NotTheRunsJob(SlurmftError):

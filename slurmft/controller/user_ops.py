@@ -255,6 +255,7 @@ def operations(
             if run.state is RunState.PENDING:
                 run.state = RunState.FAILED
                 run.end_reason = str(args.get("reason") or "submission failed")[:2000]
+                run.ended_at = utcnow()
             return {"run_id": run.id, "state": run.state.value}
 
     def runs(uid: int, args: Mapping[str, Any]) -> list[dict[str, Any]]:

@@ -362,6 +362,8 @@ def test_observe_only_still_records_the_end_of_a_run_whose_job_ended(
     with database.session() as s:
         run = s.get(Run, run_id)
         assert run is not None and run.state is RunState.COMPLETED
+        # Its wall time ends with it: run_effective_time no longer grows with every query.
+        assert run.ended_at is not None and run.ended_at >= run.created_at
 
 
 def test_observe_only_records_a_repeated_decision_once(database: Database, run_id: str) -> None:

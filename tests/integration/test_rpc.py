@@ -104,6 +104,19 @@ def test_the_owner_sees_status_and_events_and_can_cancel(
         assert run is not None and run.cancel_requested_at is not None
 
 
+def test_a_submission_that_failed_ends_its_pending_run_with_its_end_time(
+    socket_path: Path, database: Database, seed_run: Callable[..., None]
+) -> None:
+    """`submit` reports an sbatch that failed: the run ends FAILED, its wall time with it."""
+    seed_run(database, "rp", owner_uid=ALICE, owner_name="alice", running=False)
+    reply = _call_as(ALICE, socket_path, "fail_run", run_id="rp", reason="sbatch: bad partition")
+    assert reply == {"result": {"run_id": "rp", "state": "failed"}}
+    with database.session() as s:
+        run = s.get(Run, "rp")
+        assert run is not None and run.end_reason == "sbatch: bad partition"
+        assert run.ended_at is not None and run.ended_at >= run.created_at
+
+
 def _attempts(database: Database, run_id: str) -> list[str | None]:
     with database.session() as s:
         return [
