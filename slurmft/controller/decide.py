@@ -238,7 +238,7 @@ def _decide_run(
     if job.batch_host_down and job.batch_host and _confirmed(
         run, job.batch_host, job.batch_host_lost_since, view, policy
     ):
-        return _batch_host_down(run, job, view)
+        return _batch_host_down(run, job, view, policy)
     actions: list[Action] = []
     removed: set[str] = set()
     for finder in (_lost_nodes, partial(_gpu_faults, lemons=lemons), _unresponsive_nodes):
@@ -249,7 +249,7 @@ def _decide_run(
     found, gone = _stragglers(run, view, policy, gate, removed)
     actions += found
     removed |= gone
-    actions += _capacity(run, job, view, removed)
+    actions += _capacity(run, job, view, policy, removed)
     return actions
 
 
@@ -335,7 +335,9 @@ def _job_ended(run: RunView, job: JobView, view: ClusterView) -> list[Action]:
     ]
 
 
-def _batch_host_down(run: RunView, job: JobView, view: ClusterView) -> list[Action]:
+def _batch_host_down(
+    run: RunView, job: JobView, view: ClusterView, policy: Policy
+) -> list[Action]:
     host = job.batch_host or ""
     reason = (
         f"slurmft: batch host {host} of job {job.job_id} is down; the job cannot recover "
@@ -353,7 +355,8 @@ def _batch_host_down(run: RunView, job: JobView, view: ClusterView) -> list[Acti
         actions.append(ExcludeNode(run.run_id, reason, node=host))
     silent = _silent_held(run, job)
     if silent:
-        return actions + _fences(run, job, silent)  # the requeue once Slurm shows them DOWN
+        fences = _fences(run, job, silent, view, policy)
+        return actions + fences  # the requeue once Slurm shows them DOWN
     exclude = view.denylist | run.excluded | {host}
     return [*actions, RequeueJob(run.run_id, reason, job_id=job.job_id, exclude=exclude)]
 
@@ -366,14 +369,19 @@ def _silent_held(run: RunView, job: JobView) -> list[str]:
     return sorted(job.silent_nodes) if run.steps_ask_gres else []
 
 
-def _fences(run: RunView, job: JobView, silent: list[str]) -> list[Action]:
-    """DOWN for each silent node, once per job. Slurm sets the same DOWN itself after
-    SlurmdTimeout (minutes on most sites), and kills what else runs there: slurmft only does it
-    sooner. Where the DOWN fails or is refused, the requeue waits for Slurm's own."""
+def _fences(
+    run: RunView, job: JobView, silent: list[str], view: ClusterView, policy: Policy
+) -> list[Action]:
+    """DOWN for each silent node whose silence is confirmed, once per job. Slurm sets the same
+    DOWN itself after SlurmdTimeout (minutes on most sites), and kills what else runs there:
+    slurmft only does it sooner. Where the DOWN fails or is refused, the requeue waits for
+    Slurm's own; a node silent for a moment only (not confirmed) is waited for, not set DOWN."""
     fences: list[Action] = []
     for node in silent:
         key = f"fence:{job.job_id}:{node}"
-        if key not in run.reported:
+        if key not in run.reported and _confirmed(
+            run, node, _lost_since(run, job, node), view, policy
+        ):
             reason = (
                 f"slurmft: node {node} silent (slurmd not responding): DOWN so that GPU job "
                 f"{job.job_id} is requeued without it"
@@ -411,6 +419,13 @@ def _confirmed(
         return True
     heard = max((a.last_report_at for a in run.agents if a.node == node), default=None)
     return heard is not None and (view.now - heard).total_seconds() >= policy.confirm_s
+
+
+def _lost_since(run: RunView, job: JobView, node: str) -> datetime | None:
+    """Since when Slurm has called ``node`` (one the job holds) lost, as observe saw it."""
+    if node == job.batch_host and job.batch_host_lost_since is not None:
+        return job.batch_host_lost_since
+    return next((n.lost_since for n in run.nodes if n.name == node), None)
 
 
 def _lost_nodes(
@@ -626,7 +641,9 @@ def _has_spare(run: RunView, removed: set[str]) -> bool:
     return len(_usable(run, removed)) > run.nodes_needed
 
 
-def _capacity(run: RunView, job: JobView, view: ClusterView, removed: set[str]) -> list[Action]:
+def _capacity(
+    run: RunView, job: JobView, view: ClusterView, policy: Policy, removed: set[str]
+) -> list[Action]:
     """Fewer usable nodes than the run needs: the allocation cannot recover, requeue it."""
     usable = _usable(run, removed)
     # Removed this pass, or on a pass that set its silent nodes DOWN first (_fences).
@@ -641,7 +658,7 @@ def _capacity(run: RunView, job: JobView, view: ClusterView, removed: set[str]) 
     )
     silent = _silent_held(run, job)
     if silent:
-        return _fences(run, job, silent)  # the requeue once Slurm shows them DOWN
+        return _fences(run, job, silent, view, policy)  # the requeue once they are DOWN
     key = f"requeue:{job.job_id}"  # once per attempt: the pass after the fences comes again
     if key in run.reported:
         return []

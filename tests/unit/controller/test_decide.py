@@ -551,6 +551,33 @@ def test_slurms_word_that_a_node_is_lost_is_acted_on_only_once_confirmed(
         assert _summary(decide(view, CONFIRM)) == expected, (lost_s, agents)
 
 
+def test_a_gpu_jobs_node_silent_for_a_moment_is_waited_for_not_set_down() -> None:
+    """n2 is lost for good and no spare is left: the GPU job must be requeued. n3 reads not
+    responding this pass, its agent still reporting: n2 is set DOWN, n3 is not, and the
+    requeue waits for both (a requeue while n3 is held, not DOWN, would break the GPUs)."""
+    nodes = _nodes(spares=0, lost=("n2", "n3"))
+    run = _run(
+        job=replace(RUNNING, silent_nodes=frozenset({"n2", "n3"})),
+        nodes=tuple(replace(n, lost_since=NOW) if n.name == "n3" else n for n in nodes),
+        agents=_agents(n2=30.0),
+        steps_ask_gres=True,
+    )
+    actions = decide(_view(run), CONFIRM)
+    assert _summary(actions) == [
+        ("RecordEvent", "node_lost@n2"),
+        ("ExcludeNode", "n2"),
+        ("EvictNode", "n2"),
+    ]
+    # n2 DOWN (out of the job), n3 still silent and unconfirmed: nothing yet.
+    waiting = replace(
+        run,
+        job=replace(RUNNING, silent_nodes=frozenset({"n3"})),
+        excluded=frozenset({"n2"}),
+        reported=_reported(actions),
+    )
+    assert decide(_view(waiting), CONFIRM) == []
+
+
 def _lost_for(run: RunView, node: str, seconds: float) -> RunView:
     """``run`` with Slurm calling ``node`` lost for ``seconds`` (its batch host, or a node)."""
     since = NOW - timedelta(seconds=seconds)
