@@ -411,7 +411,7 @@ def _keep_excluded(run: RunView, job: JobView, view: ClusterView) -> list[Action
 def _confirmed(
     run: RunView, node: str, since: datetime | None, view: ClusterView, policy: Policy
 ) -> bool:
-    """Slurm's word that ``node`` is lost, confirmed (the confirmed Slurm fact of DESIGN.md):
+    """Slurm's word that ``node`` is lost, confirmed (the confirmed Slurm fact of docs/design.md):
     it has held for ``policy.confirm_s``, or the node's agent has been silent as long (the
     second source: its keep-alive comes at least every 2 s). ``since`` None: not in doubt.
     Slurm was seen marking a just-resumed node not responding for under a second."""

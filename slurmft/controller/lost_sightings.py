@@ -1,9 +1,10 @@
 """Since when Slurm has reported each node lost, held by the daemon between control passes.
 
 A node or batch-host state that changes a job's fate must hold for ``policy.confirm_s`` before
-it is acted on, unless the node's agent confirms it by its own silence (DESIGN.md: the confirmed
-Slurm fact). Right after a node is resumed, Slurm has been seen to mark it not responding for
-less than a second; one pass in that window must not requeue a run or exclude a healthy node.
+it is acted on, unless the node's agent confirms it by its own silence (docs/design.md: the
+confirmed Slurm fact). Right after a node is resumed, Slurm has been seen to mark it not
+responding for less than a second; one pass in that window must not requeue a run or exclude a
+healthy node.
 So each pass notes, for every node Slurm calls lost (DOWN or not responding), when it was first
 seen so in an unbroken series of passes; a pass that sees it answering again forgets it.
 
