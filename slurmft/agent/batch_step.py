@@ -57,7 +57,7 @@ from slurmft.core.checkpoints import CheckpointWatch
 from slurmft.core.exits import BatchExit
 from slurmft.core.kinds import NodeRole
 from slurmft.protocol import AgentEvent, AllocationMember, AllocationReport
-from slurmft.slurm.api import SignalTarget, SlurmClient, SlurmError
+from slurmft.slurm.api import SignalTarget, SlurmClient, SlurmError, silent_nodes
 
 log = logging.getLogger("slurmft.batch")
 
@@ -412,7 +412,7 @@ class BatchStep:
             except SlurmError as error:
                 log.warning("cannot see whether the job's silent nodes are DOWN (%s)", error)
                 return
-            silent = ",".join(n for n in job.nodes if n in info and info[n].status.silent_not_down)
+            silent = ",".join(silent_nodes(job.nodes, info))
             if not silent:
                 return
             if time.monotonic() >= deadline:

@@ -65,6 +65,7 @@ from slurmft.slurm.api import (
     SlurmJobNotFound,
     SlurmTimeout,
     SlurmUnreachable,
+    silent_nodes,
 )
 from slurmft.slurm.commands import is_job_id
 from slurmft.slurm.states import JobState
@@ -138,16 +139,13 @@ def job_view(
         and host is not None
         and node_condition(nodes.get(host)) is NodeCondition.LOST
     )
-    silent = frozenset(
-        name for name in info.nodes if (node := nodes.get(name)) and node.status.silent_not_down
-    )
     return JobView(
         info.job_id,
         JobPhase.ACTIVE,
         batch_host=host,
         batch_host_down=host_down,
         batch_host_lost_since=(lost_since or {}).get(host or "") if host_down else None,
-        silent_nodes=silent,
+        silent_nodes=frozenset(silent_nodes(info.nodes, nodes)),
     )
 
 

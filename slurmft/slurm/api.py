@@ -10,7 +10,7 @@ reached, every call raises SlurmUnreachable, and no caller may read that as "the
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Protocol, runtime_checkable
@@ -95,6 +95,12 @@ class NodeInfo:
     reason_user: str = ""
     reason_time: str = ""
     raw: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
+
+
+def silent_nodes(names: Iterable[str], info: Mapping[str, NodeInfo]) -> list[str]:
+    """Those of ``names`` (a job's nodes) whose slurmd is silent and that Slurm has not marked
+    DOWN yet, in order: a --no-kill job still holds them. A node ``info`` lacks is not one."""
+    return [name for name in names if name in info and info[name].status.silent_not_down]
 
 
 class SignalTarget(Enum):
