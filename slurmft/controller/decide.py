@@ -235,8 +235,10 @@ def _decide_run(
         return _job_ended(run, job, view)
     if run.budget.exhausted:
         return _stop(run, run.budget.stop_reason(), job_id=job.job_id)
-    if job.batch_host_down and job.batch_host and _confirmed(
-        run, job.batch_host, job.batch_host_lost_since, view, policy
+    if (
+        job.batch_host_down
+        and job.batch_host
+        and _confirmed(run, job.batch_host, job.batch_host_lost_since, view, policy)
     ):
         return _batch_host_down(run, job, view, policy)
     actions: list[Action] = []
@@ -335,9 +337,7 @@ def _job_ended(run: RunView, job: JobView, view: ClusterView) -> list[Action]:
     ]
 
 
-def _batch_host_down(
-    run: RunView, job: JobView, view: ClusterView, policy: Policy
-) -> list[Action]:
+def _batch_host_down(run: RunView, job: JobView, view: ClusterView, policy: Policy) -> list[Action]:
     host = job.batch_host or ""
     reason = (
         f"slurmft: batch host {host} of job {job.job_id} is down; the job cannot recover "
@@ -436,11 +436,9 @@ def _lost_nodes(
     for node in run.nodes:
         if node.name in run.excluded or node.condition is NodeCondition.OK:
             continue
-        if node.condition is NodeCondition.LOST and not _confirmed(
-            run, node.name, node.lost_since, view, policy
-        ):
-            continue  # Slurm's word alone, not for long yet: the next pass looks again
         if node.condition is NodeCondition.LOST:
+            if not _confirmed(run, node.name, node.lost_since, view, policy):
+                continue  # Slurm's word alone, not for long yet: the next pass looks again
             reason = f"slurmft: node {node.name} lost ({node.role.value})"
             actions += _event(
                 run,
