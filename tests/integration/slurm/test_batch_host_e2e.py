@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from daemon_process import DaemonProcess, running_daemon
-from e2e_run import TINY, submit
+from e2e_run import EXAMPLE, TINY, submit
 from local_cluster import Cluster
 from support.waiting import wait_for_value
 
@@ -99,9 +99,7 @@ def test_a_batch_host_not_responding_for_a_moment_costs_no_requeue(
     # The default confirmation (two polls at the default 5 s): Slurm's not-responding lasts
     # from its failed ping until its next one answers, which here can be over 2 s.
     with running_daemon(tmp_path, SLURMFT_POLICY_CONFIRM_S="10") as daemon:
-        script = ["-m", "slurmft.train.examples.tiny", "--ckpt-dir", "{ckpt}", "--out-dir",
-                  "{out}", *TINY]  # fmt: skip
-        run = submit(cluster, daemon, tmp_path, script, name="flicker", spares=0)
+        run = submit(cluster, daemon, tmp_path, EXAMPLE, name="flicker", spares=0)
         run.wait_training()
         host = cluster.client.job(run.job_id).batch_host
         stopped_at = time.monotonic()
