@@ -282,9 +282,10 @@ class NodeAgent:
                 self._stop_torchrun(process)
                 self._take_reports(channel)
                 self.event(
-                    EventKind.NODE_LOST,
-                    f"agent left ({self.state.stop_reason})",
+                    EventKind.AGENT_STOPPED,
+                    f"agent stopped ({self.state.stop_reason})",
                     reason=self.state.stop_reason,
+                    cordoned=self.state.stop_reason.startswith(LEAVE_PREFIX),
                 )
                 return AgentExit.LEFT
 

@@ -52,12 +52,14 @@ from slurmft.agent.batch import (
 )
 from slurmft.agent.sightings import charge_step, read_step
 from slurmft.agent.store import StoreSupervisor, check_store_host
+from slurmft.config import PolicySection
 from slurmft.core.budget import RestartBudget, Seen, Sighting
 from slurmft.core.checkpoints import CheckpointWatch
 from slurmft.core.exits import BatchExit
 from slurmft.core.kinds import NodeRole
 from slurmft.protocol import AgentEvent, AllocationMember, AllocationReport
-from slurmft.slurm.api import SignalTarget, SlurmClient, SlurmError, silent_nodes
+from slurmft.slurm.api import NodeInfo, SignalTarget, SlurmClient, SlurmError, silent_nodes
+from slurmft.slurm.lost_sightings import LostSightings
 
 log = logging.getLogger("slurmft.batch")
 
@@ -69,6 +71,7 @@ GIVE_UP_GRACE_S = 20.0
 # How long a GRES job's requeue waits for its silent nodes to be DOWN: Slurm's default
 # SlurmdTimeout (300 s) and a minute, for a site without a daemon to set them DOWN sooner.
 FENCE_WAIT_S = 360.0
+CONFIRM_S = PolicySection.confirm_s  # the daemon's default; the job's config sets it
 
 
 def allocation_report(job_id: str, nodes: Sequence[str], active: int) -> AllocationReport:
@@ -114,6 +117,7 @@ class BatchStep:
         stop_grace_s: float = 20.0,
         give_up_grace_s: float = GIVE_UP_GRACE_S,
         fence_wait_s: float = FENCE_WAIT_S,
+        confirm_s: float = CONFIRM_S,
         report_allocation: Callable[[AllocationReport], None] | None = None,
         report_event: Callable[[AgentEvent], None] | None = None,
     ):
@@ -121,6 +125,10 @@ class BatchStep:
         self.store_host = store_host
         self.poll_s, self.stop_grace_s = poll_s, stop_grace_s
         self.give_up_grace_s, self.fence_wait_s = give_up_grace_s, fence_wait_s
+        # Slurm's word that a node stopped answering, dated from its first sighting: the step
+        # is ended for it once it has held `confirm_s` (a flicker costs nothing), or at once
+        # when Slurm has the node DOWN or has taken it out of the job.
+        self.confirm_s, self.lost = confirm_s, LostSightings()
         self.state = BatchState.load(spec.ckpt_dir, spec.max_restarts_without_progress)
         self.save_requested = threading.Event()
         self.outcome_dir = ""  # the current agent step's (see batch.StepOutcomes)
@@ -347,15 +355,29 @@ class BatchStep:
         log.error("giving up: %s", reason)
         return BatchExit.GIVE_UP
 
+    def _silent_unconfirmed(self, job_nodes: Sequence[str], info: dict[str, NodeInfo]) -> set[str]:
+        """The job's nodes Slurm calls not responding (not DOWN) for less than `confirm_s`:
+        still the step's until it is confirmed (docs/design.md, the confirmed Slurm fact)."""
+        now = datetime.now(UTC)
+        since = self.lost.update(info, now)
+        silent = silent_nodes(job_nodes, info)
+        young = {name for name in silent if (now - since[name]).total_seconds() < self.confirm_s}
+        for name in sorted(young - self.cordoned):
+            log.info("Slurm calls %s not responding: not confirmed yet, the step keeps it", name)
+        return young - self.cordoned
+
     def _step_cannot_recover(self, nodes: Sequence[str]) -> bool:
         """Fewer than N of the step's nodes left: the survivors would wait out the rendezvous
         timeout for a node that is gone; end the step and relaunch on what is usable now."""
         self._read_outcomes()  # an agent that left mid-step took its node with it
         try:
-            alive = set(self.usable()) & set(nodes)
+            job = self.client.job(self.job_id)
+            info = self.client.nodes(job.nodes)
         except SlurmError as error:
             log.warning("Slurm unreachable (%s): keeping the agent step", error)
             return False
+        usable = usable_nodes(job.nodes, info, sorted(self.cordoned))
+        alive = (set(usable) | self._silent_unconfirmed(job.nodes, info)) & set(nodes)
         self._note_removed(nodes, alive)
         if len(alive) < self.spec.nodes:
             log.warning(

@@ -279,6 +279,7 @@ def batch(  # noqa: PLR0917 (typer: one parameter per option)
         client,
         job_id,
         host,
+        confirm_s=config.settings.policy.confirm_s,
         report_allocation=reporter.report_allocation if reporter else None,
         report_event=reporter.add_event if reporter else None,
     )

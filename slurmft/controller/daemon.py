@@ -47,7 +47,6 @@ from slurmft.controller.decide import Policy, decide
 from slurmft.controller.health import OPS_LIMITS, LoopLiveness, OpsServer, check_health
 from slurmft.controller.http import IngestServer, server_tls
 from slurmft.controller.limits import RateLimits
-from slurmft.controller.lost_sightings import LostSightings
 from slurmft.controller.metrics import SCHEDULER_EVENTS, DaemonMetrics, TimedRunner
 from slurmft.controller.notify import Notifier
 from slurmft.controller.observe import observe
@@ -62,6 +61,7 @@ from slurmft.db.models import ActionStatus
 from slurmft.db.retention import fold_step_times, prune_heartbeat_samples
 from slurmft.slurm import CliSlurmClient, SlurmClient
 from slurmft.slurm.api import SlurmError
+from slurmft.slurm.lost_sightings import LostSightings
 from slurmft.slurm.runner import SubprocessRunner
 
 log = logging.getLogger(__name__)

@@ -20,7 +20,6 @@ from sqlalchemy.orm import Session
 from slurmft.controller.allocation import judge_allocation_reports, judge_evidence
 from slurmft.controller.detect import RankBeat, RankCompute
 from slurmft.controller.intents import UNFINISHED, settle_interrupted
-from slurmft.controller.lost_sightings import LostSightings
 from slurmft.controller.reconcile import reconcile
 from slurmft.controller.restarts import restart_evidence
 from slurmft.controller.spec import RunSpec, SpecError
@@ -68,6 +67,7 @@ from slurmft.slurm.api import (
     silent_nodes,
 )
 from slurmft.slurm.commands import is_job_id
+from slurmft.slurm.lost_sightings import LostSightings
 from slurmft.slurm.states import JobState
 
 log = logging.getLogger(__name__)

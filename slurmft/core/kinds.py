@@ -43,6 +43,10 @@ class EventKind(enum.StrEnum):
     # A spare that would not join: the wait-list fix does not know this torch. Not a failure
     # of its node (never in the failure views, never lemon evidence).
     SPARE_REFUSED = "spare_refused"
+    # An agent stopped by a signal (the batch step relaunching its step, Slurm requeueing or
+    # cancelling the job) or by the controller's `leave`: its node was alive to say so, so this
+    # is never a failure of that node (never in the failure views, never lemon evidence).
+    AGENT_STOPPED = "agent_stopped"
     CHANNEL_SILENT = "channel_silent"
     PREEMPTED = "preempted"
     TIME_LIMIT = "time_limit"

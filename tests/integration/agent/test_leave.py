@@ -36,7 +36,7 @@ def test_leave_command_hands_the_node_to_the_spare(tmp_path: Path) -> None:
         assert {r["world_size"] for r in run.records()} == {3}
         batches = controller.received()
         events = [(b.node, e.kind) for b in batches for e in b.events]
-        assert (f"n{leaving.index}", "node_lost") in events  # it said why it left
+        assert (f"n{leaving.index}", "agent_stopped") in events  # it said why it left
         assert any(kind == "restart" for _, kind in events)  # survivors restarted their workers
         ranks = {hb.rank for b in batches for hb in b.heartbeats}
         assert ranks == {0, 1, 2}

@@ -417,6 +417,45 @@ def test_a_gpu_job_is_requeued_once_its_silent_nodes_are_down(
         assert slurm.looks == looks
 
 
+class FlickeringSlurm:
+    """Job 7 holds n1-n3, all in the agent step; n2 is in the state ``n2`` says."""
+
+    def __init__(self) -> None:
+        self.n2 = "mixed"
+
+    def job(self, job_id: str) -> JobInfo:
+        return JobInfo(job_id, JobState.RUNNING, nodes=("n1", "n2", "n3"))
+
+    def nodes(self, names: Sequence[str] = ()) -> dict[str, NodeInfo]:
+        return {n: NodeInfo(n, parse_node_state(self.n2 if n == "n2" else "mixed")) for n in names}
+
+
+@pytest.mark.parametrize(
+    ("confirm_s", "looks", "ends"),
+    [
+        (3600.0, ["mixed*", "mixed", "mixed*"], [False, False, False]),  # a flicker: kept
+        (0.0, ["mixed*"], [True]),  # held confirm_s (here at once): the step ends
+        (3600.0, ["mixed", "down*"], [False, True]),  # Slurm's DOWN needs no confirmation
+        (3600.0, ["mixed", "idle"], [False, True]),  # taken out of the job: not in doubt
+    ],
+)
+def test_the_agent_step_ends_for_a_silent_node_only_once_slurms_word_is_confirmed(
+    tmp_path: Path, confirm_s: float, looks: list[str], ends: list[bool]
+) -> None:
+    """One poll of "not responding" must not cost a relaunch (docs/design.md, the confirmed
+    Slurm fact): Slurm has been seen to call a node so for under a second."""
+    slurm = FlickeringSlurm()
+    spec = dataclasses.replace(SPEC, ckpt_dir=str(tmp_path))
+    batch = BatchStep(spec, slurm, "7", "127.0.0.1", confirm_s=confirm_s)  # type: ignore[arg-type]
+    seen = []
+    for state in looks:
+        slurm.n2 = state
+        if state == "idle":  # Slurm shrank the job
+            slurm.job = lambda job_id: JobInfo(job_id, JobState.RUNNING, nodes=("n1", "n3"))  # type: ignore[method-assign]
+        seen.append(batch._step_cannot_recover(("n1", "n2", "n3")))
+    assert seen == ends
+
+
 def _spec_run(**fields: object) -> RunSpec:
     return RunSpec(name="r", nodes=2, script=("train.py",), ckpt_dir="/shared/ck", spares=0,
                    python="/opt/venv/bin/python", **fields)  # type: ignore[arg-type]  # fmt: skip

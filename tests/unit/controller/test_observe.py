@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 
 from slurmft.controller.decide import Policy, decide
-from slurmft.controller.lost_sightings import LostSightings
 from slurmft.controller.observe import (
     StepSample,
     _node_views,
@@ -31,6 +30,7 @@ from slurmft.controller.views import (
 )
 from slurmft.db.models import Attempt, NodeRole
 from slurmft.slurm.api import JobInfo
+from slurmft.slurm.lost_sightings import LostSightings
 from slurmft.slurm.parse import job_from_scontrol, parse_scontrol_records, parse_sinfo_nodes
 from slurmft.slurm.states import JobState
 

@@ -1,4 +1,5 @@
-"""Since when Slurm has reported each node lost, held by the daemon between control passes.
+"""Since when Slurm has reported each node lost, held between polls by the daemon (its control
+passes) and by the batch step (its checks of the agent step).
 
 A node or batch-host state that changes a job's fate must hold for ``policy.confirm_s`` before
 it is acted on, unless the node's agent confirms it by its own silence (docs/design.md: the
