@@ -6,6 +6,8 @@ socket's peer credentials, never from the request.
 
 from __future__ import annotations
 
+import time
+from datetime import UTC, datetime, timedelta
 from typing import Annotated, Any
 
 import typer
@@ -24,9 +26,79 @@ def ask(ctx: typer.Context, op: str, **args: Any) -> Any:
     return call(state(ctx).config.runtime_dir / SOCKET_NAME, op, **args)
 
 
-def runs(ctx: typer.Context, as_json: JSON = False) -> None:
-    """List your runs, newest first."""
-    rows = ask(ctx, "runs")
+STATES = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--state",
+        help="Only runs in this state (repeat for several): pending, running, recovering, "
+        "completed, failed, cancelled, stopped.",
+    ),
+]
+SINCE = Annotated[
+    str | None,
+    typer.Option(
+        "--since",
+        help="Only runs created since: an ISO 8601 time (UTC unless it says) or an age such "
+        "as 90m, 6h or 3d.",
+    ),
+]
+USER = Annotated[
+    str | None,
+    typer.Option("--user", help="Only this user's runs (an admin's option; others see theirs)."),
+]
+AGES = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def since_time(value: str, now: datetime | None = None) -> str:
+    """``--since`` as an ISO 8601 UTC time: an age (``90m``, ``6h``, ``3d``) or a time."""
+    now = now or datetime.now(UTC)
+    text = value.strip()
+    if text[:-1].isdigit() and text[-1:] in AGES:
+        return (now - timedelta(seconds=int(text[:-1]) * AGES[text[-1]])).isoformat()
+    try:
+        when = datetime.fromisoformat(text)
+    except ValueError:
+        raise typer.BadParameter(
+            f"{value!r}: an ISO 8601 time (2026-12-01, 2026-12-01T08:00) or an age (90m, 6h, 3d)",
+            param_hint="--since",
+        ) from None
+    return (when if when.tzinfo else when.replace(tzinfo=UTC)).isoformat()
+
+
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
+def _or_dash(value: object) -> str:
+    return "-" if value is None else str(value)
+
+
+def run_line(r: dict[str, Any]) -> str:
+    """One run on one line: where it is, its budget and its effective ratio so far."""
+    return (
+        f"{r['run_id']:<14} {r['state']:<10} {r['nodes']}+{r['spares']} "
+        f"job {r['job_id'] or '-':<8} step {_or_dash(r['step']):<7} "
+        f"world {_or_dash(r['world_size']):<4} restarts {r['restarts']}/{r['restart_cap']}  "
+        f"effective {_ratio(r['effective_ratio'])}  {r['name']}"
+    )
+
+
+def runs(  # noqa: PLR0917 (typer: one parameter per option)
+    ctx: typer.Context,
+    states: STATES = None,
+    since: SINCE = None,
+    user: USER = None,
+    limit: Annotated[int, typer.Option("--limit", min=1, max=10_000, help="At most N runs.")] = 200,
+    as_json: JSON = False,
+) -> None:
+    """List your runs, newest first: state, nodes+spares, Slurm job, step, world size,
+    restarts without progress against the cap, and the effective ratio so far."""
+    args: dict[str, Any] = {"states": list(states or []), "limit": limit}
+    if since is not None:
+        args["since"] = since_time(since)
+    if user is not None:
+        args["user"] = user
+    rows = ask(ctx, "runs", **args)
     if as_json:
         echo_json(rows)
         return
@@ -34,14 +106,46 @@ def runs(ctx: typer.Context, as_json: JSON = False) -> None:
         typer.echo("no runs")
         return
     for r in rows:
-        typer.echo(
-            f"{r['run_id']:<14} {r['state']:<10} {r['nodes']}+{r['spares']} nodes  "
-            f"job {r['job_id'] or '-':<8} {r['name']}"
+        typer.echo(run_line(r))
+
+
+def _age(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+def _progress_lines(data: dict[str, Any]) -> list[str]:
+    lines = []
+    if data["step"] is not None:
+        lines.append(f"step {data['step']}, world size {data['world_size']} ranks")
+    elif data["state"] in ("running", "recovering"):
+        lines.append("step unknown: the script does not report steps (node-level supervision)")
+    ckpt = data["checkpoint"]
+    if ckpt is None:
+        lines.append("checkpoint: none reported yet")
+    else:
+        what = f"step {ckpt['step']}" if ckpt["verified"] else f"{ckpt['label']} (found on disk)"
+        lines.append(f"checkpoint: {what}, {_age(ckpt['age_s'])} old")
+    if data["spares_left"] is not None:
+        lines.append(f"spares left: {data['spares_left']} of {data['spares']}")
+    lines.append(f"restarts without progress: {data['restarts']} of {data['restart_cap']}")
+    effective = data["effective"]
+    if effective is not None:
+        lines.append(
+            f"effective ratio so far: {_ratio(effective['ratio'])} (wall {effective['wall_s']:.0f}"
+            f" s, lost {effective['lost_s']:.0f} s)"
         )
+    lines.append(f"now: {data['doing']}")
+    return lines
 
 
 def status(ctx: typer.Context, run_id: RUN, as_json: JSON = False) -> None:
-    """One run: its state, Slurm job, excluded nodes and the latest actions with reasons."""
+    """Where one run is: state, Slurm job, step and world size, the newest checkpoint and its
+    age, spares left, restarts against the cap, the effective ratio so far, what slurmft is
+    doing now, excluded nodes and the latest actions with their reasons."""
     data = ask(ctx, "status", run_id=run_id)
     if as_json:
         echo_json(data)
@@ -50,6 +154,8 @@ def status(ctx: typer.Context, run_id: RUN, as_json: JSON = False) -> None:
         f"{data['run_id']} {data['name']} ({data['owner']}): {data['state']}, "
         f"job {data['job_id'] or '-'}, attempt {data['attempts']}"
     )
+    for line in _progress_lines(data):
+        typer.echo(f"  {line}")
     if data["end_reason"]:
         typer.echo(f"  ended: {data['end_reason']}")
     if data["excluded_nodes"]:
@@ -60,22 +166,75 @@ def status(ctx: typer.Context, run_id: RUN, as_json: JSON = False) -> None:
         typer.echo(f"  {a['at']}  {a['kind']:<16} {a['status']:<8} {a['reason']}")
 
 
-def events(
+def _few(items: list[Any], shown: int) -> str:
+    """The first ``shown`` of ``items``, and how many more."""
+    more = f",+{len(items) - shown}" if len(items) > shown else ""
+    return ",".join(map(str, items[:shown])) + more
+
+
+def entry_line(e: dict[str, Any]) -> str:
+    """One timeline entry: an event (what happened) or an action (what slurmft did)."""
+    where = f" {_few(e['nodes'], 4)}" if e["nodes"] else ""
+    if e["ranks"]:
+        where += f" rank{'s' if len(e['ranks']) > 1 else ''} {_few(e['ranks'], 8)}"
+    count = f" x{e['count']}" if e["count"] > 1 else ""
+    status = f" [{e['status']}]" if e["status"] else ""
+    return f"{e['at']}  {e['source']:<6} {e['kind']}{count}{status}{where}: {e['text']}"
+
+
+def events(  # noqa: PLR0917 (typer: one parameter per option)
     ctx: typer.Context,
     run_id: RUN,
-    limit: Annotated[int, typer.Option("--limit", min=1, help="At most N of each.")] = 100,
+    limit: Annotated[
+        int, typer.Option("--limit", min=1, max=10_000, help="At most N events and N actions.")
+    ] = 100,
+    follow: Annotated[
+        bool, typer.Option("--follow", "-f", help="Keep printing new entries until the run ends.")
+    ] = False,
+    interval: Annotated[
+        float, typer.Option("--interval", min=0.2, help="Seconds between asks with --follow.")
+    ] = 1.0,
     as_json: JSON = False,
 ) -> None:
-    """What happened to a run (events) and what slurmft did about it (actions)."""
+    """One timeline of a run: what happened (events) and what slurmft did about it (actions,
+    with status and reason), in time order. Reports of one thing from many ranks or nodes are
+    one line with their count (x N). With --json and --follow: one JSON object per line."""
     data = ask(ctx, "events", run_id=run_id, limit=limit)
-    if as_json:
+    if as_json and not follow:
         echo_json(data)
         return
-    for e in data["events"]:
-        where = f" {e['node']}" if e["node"] else ""
-        typer.echo(f"{e['at']}  event  {e['kind']}{where}: {e['message']}")
-    for a in data["actions"]:
-        typer.echo(f"{a['at']}  action {a['kind']} [{a['status']}]: {a['reason']}")
+    _print_entries(data["entries"], as_json)
+    if follow:
+        _follow(ctx, run_id, data, interval, as_json)
+
+
+def _print_entries(entries: list[dict[str, Any]], as_json: bool) -> None:
+    import json
+
+    for entry in entries:
+        typer.echo(json.dumps(entry, sort_keys=True) if as_json else entry_line(entry))
+
+
+def _follow(
+    ctx: typer.Context, run_id: str, data: dict[str, Any], interval: float, as_json: bool
+) -> None:
+    """Ask for what was recorded after the cursor until the run has ended and nothing more
+    came (one last ask after the end, so its final actions are shown)."""
+    from slurmft.core.states import RunState
+
+    ended = False
+    try:
+        while True:
+            ended_before = ended
+            if not data["truncated"]:  # more is waiting: ask again at once
+                time.sleep(interval)
+            data = ask(ctx, "events", run_id=run_id, limit=1000, cursor=data["cursor"])
+            _print_entries(data["entries"], as_json)
+            ended = RunState(data["state"]).is_terminal
+            if ended and ended_before and not data["entries"]:
+                return
+    except KeyboardInterrupt:
+        return
 
 
 def cancel(ctx: typer.Context, run_id: RUN) -> None:

@@ -314,6 +314,7 @@ class Daemon:
                 quota=RunQuota.from_settings(daemon),
                 on_refusal=self.metrics.count_refusal,
                 lemon_min_runs=self.settings.trust.lemon_min_runs,
+                restart_cap=self.settings.policy.max_restarts_without_progress,
             ),
             limits=self._limits(
                 daemon.socket_max_connections,

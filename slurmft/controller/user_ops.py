@@ -11,12 +11,14 @@ import pwd
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import func, select
+from sqlalchemy import Select, func, select
 from sqlalchemy.orm import Session
 
-from slurmft.config import DaemonSection, TrustSection
+from slurmft.config import DaemonSection, PolicySection, TrustSection
+from slurmft.controller import run_status
 from slurmft.controller.admins import ROOT_ONLY, Admins
 from slurmft.controller.history_ops import history_operations
 from slurmft.controller.ingest import new_run_token, record_refusal
@@ -24,50 +26,17 @@ from slurmft.controller.limits import AuditThrottle
 from slurmft.controller.node_ops import NodeOps
 from slurmft.controller.resubmit import SubmissionError, check_record
 from slurmft.controller.rpc import Operation, RpcError
+from slurmft.controller.run_status import latest_attempt
 from slurmft.controller.spec import RunSpec
+from slurmft.controller.timeline import MAX_ENTRIES, Cursor, read_timeline
 from slurmft.controller.visibility import visible_run
 from slurmft.db import Database
-from slurmft.db.models import Action, ActionKind, Attempt, Event, Run, utcnow
+from slurmft.db.models import Action, ActionKind, Attempt, Run, utcnow
 from slurmft.db.records import denied_nodes
 from slurmft.db.states import RunState
 from slurmft.slurm.api import SlurmClient, SlurmError, SlurmJobNotFound
 from slurmft.slurm.commands import is_job_id
 from slurmft.slurm.script import not_the_runs_job
-
-
-def _latest_attempt(session: Session, run_id: str) -> Attempt | None:
-    return session.scalars(
-        select(Attempt).where(Attempt.run_id == run_id).order_by(Attempt.number.desc()).limit(1)
-    ).first()
-
-
-def _summary(session: Session, run: Run) -> dict[str, Any]:
-    attempt = _latest_attempt(session, run.id)
-    return {
-        "run_id": run.id,
-        "name": run.name,
-        "owner": run.owner_name,
-        "state": run.state.value,
-        "nodes": run.nodes,
-        "spares": run.spares,
-        "job_id": attempt.slurm_job_id if attempt else None,
-        "attempts": attempt.number if attempt else 0,
-        "created_at": run.created_at.isoformat(),
-        "end_reason": run.end_reason,
-        "cancel_requested": run.cancel_requested_at is not None,
-    }
-
-
-def _event_row(event: Event) -> dict[str, Any]:
-    return {
-        "at": event.occurred_at.isoformat(),
-        "kind": event.kind.value,
-        "node": event.node,
-        "rank": event.rank,
-        "fault_class": event.fault_class.value if event.fault_class else None,
-        "xid": event.xid,
-        "message": event.message,
-    }
 
 
 def _action_row(action: Action) -> dict[str, Any]:
@@ -132,7 +101,7 @@ def _attach_job(
     _slurm_says_is_the_runs(slurm, job_id, claimed)  # outside a transaction: Slurm may be slow
     with database.session() as session:
         run = visible_run(session, uid, claimed.id, admins)
-        number = (_latest_attempt(session, run.id) or Attempt(number=0)).number + 1
+        number = (latest_attempt(session, run.id) or Attempt(number=0)).number + 1
         session.add(Attempt(run_id=run.id, number=number, slurm_job_id=job_id))
         if submission is not None:  # what a resubmission sends again (controller.resubmit)
             run.submission = submission
@@ -226,6 +195,38 @@ def _create_run(
     raise RpcError(over)
 
 
+def _runs_query(uid: int, args: Mapping[str, Any], admins: Admins) -> Select[Run]:
+    """The runs `slurmft runs` lists, newest first: the caller's own (an admin's: everyone's,
+    or ``user``'s), in the ``states`` asked for, created since ``since`` (ISO 8601)."""
+    query = select(Run).order_by(Run.created_at.desc())
+    user = args.get("user")
+    if user is not None and not isinstance(user, str):
+        raise RpcError("user must be a user name")
+    if uid not in admins:
+        if user is not None and user != _user_name(uid):
+            raise RpcError("only an admin may list another user's runs")
+        query = query.where(Run.owner_uid == uid)
+    elif user is not None:
+        query = query.where(Run.owner_name == user)
+    states = args.get("states") or []
+    known = {state.value for state in RunState}
+    if not isinstance(states, list) or not all(s in known for s in states):
+        raise RpcError(f"states must be among: {', '.join(sorted(known))}")
+    if states:
+        query = query.where(Run.state.in_([RunState(s) for s in states]))
+    since = args.get("since")
+    if since is not None:
+        try:
+            when = datetime.fromisoformat(str(since))
+        except ValueError:
+            raise RpcError(f"since: not an ISO 8601 time: {since!r}") from None
+        query = query.where(Run.created_at >= (when if when.tzinfo else when.replace(tzinfo=UTC)))
+    limit = args.get("limit", 200)
+    if not isinstance(limit, int) or isinstance(limit, bool) or not 1 <= limit <= MAX_ENTRIES:
+        raise RpcError(f"limit must be a positive whole number, at most {MAX_ENTRIES}")
+    return query.limit(limit)
+
+
 def operations(
     database: Database,
     *,
@@ -236,11 +237,13 @@ def operations(
     quota: RunQuota | None = None,
     on_refusal: Callable[[str], None] | None = None,
     lemon_min_runs: int = TrustSection.lemon_min_runs,
+    restart_cap: int = PolicySection.max_restarts_without_progress,
 ) -> dict[str, Operation]:
     """The daemon's user-facing operations, bound to its store, to Slurm (to check what users
     claim about jobs), to who its admins are and, for new runs, to the URL its agents report
     to (and the CA file they verify an https URL against). ``quota`` bounds each user's runs;
-    ``on_refusal`` counts what it refuses (a metric)."""
+    ``on_refusal`` counts what it refuses (a metric); ``restart_cap``: the daemon's
+    policy.max_restarts_without_progress, which `status` shows restarts against."""
     run_quota = _Quota(quota or RunQuota(), on_refusal or (lambda _limit: None))
 
     def create_run(uid: int, args: Mapping[str, Any]) -> dict[str, Any]:
@@ -259,11 +262,13 @@ def operations(
             return {"run_id": run.id, "state": run.state.value}
 
     def runs(uid: int, args: Mapping[str, Any]) -> list[dict[str, Any]]:
+        query = _runs_query(uid, args, admins)
         with database.session() as session:
-            query = select(Run).order_by(Run.created_at.desc())
-            if uid not in admins:
-                query = query.where(Run.owner_uid == uid)
-            return [_summary(session, run) for run in session.scalars(query)]
+            now = utcnow()
+            return [
+                run_status.summary(session, run, now, restart_cap)
+                for run in session.scalars(query)
+            ]
 
     def status(uid: int, args: Mapping[str, Any]) -> dict[str, Any]:
         with database.session() as session:
@@ -278,7 +283,7 @@ def operations(
                 .limit(5)
             ).all()
             return {
-                **_summary(session, run),
+                **run_status.status(session, run, utcnow(), restart_cap),
                 "excluded_nodes": sorted(denied_nodes(session, run_id=run.id)),
                 "recent_actions": [_action_row(a) for a in reversed(recent)],
                 "human_needed": [_action_row(a) for a in reversed(notices)],
@@ -286,26 +291,22 @@ def operations(
 
     def events(uid: int, args: Mapping[str, Any]) -> dict[str, Any]:
         limit = args.get("limit", 100)
-        if not isinstance(limit, int) or limit < 1:
-            raise RpcError("limit must be a positive whole number")
+        if not isinstance(limit, int) or isinstance(limit, bool) or not 1 <= limit <= MAX_ENTRIES:
+            raise RpcError(f"limit must be a positive whole number, at most {MAX_ENTRIES}")
+        try:
+            cursor = args.get("cursor")
+            after = None if cursor is None else Cursor.from_json(cursor)
+        except ValueError as exc:
+            raise RpcError(str(exc)) from None
         with database.session() as session:
             run = visible_run(session, uid, args.get("run_id"), admins)
-            rows = session.scalars(
-                select(Event)
-                .where(Event.run_id == run.id)
-                .order_by(Event.occurred_at.desc())
-                .limit(limit)
-            ).all()
-            acts = session.scalars(
-                select(Action)
-                .where(Action.run_id == run.id)
-                .order_by(Action.id.desc())
-                .limit(limit)
-            ).all()
+            told = read_timeline(session, run.id, limit=limit, after=after)
             return {
                 "run_id": run.id,
-                "events": [_event_row(e) for e in reversed(rows)],
-                "actions": [_action_row(a) for a in reversed(acts)],
+                "state": run.state.value,
+                "entries": [entry.to_json() for entry in told.entries],
+                "cursor": told.cursor.to_json(),
+                "truncated": told.truncated,
             }
 
     def cancel(uid: int, args: Mapping[str, Any]) -> dict[str, Any]:

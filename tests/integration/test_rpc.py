@@ -97,7 +97,7 @@ def test_the_owner_sees_status_and_events_and_can_cancel(
     status = _call_as(ALICE, socket_path, "status", run_id="ra")["result"]
     assert (status["name"], status["attempts"], status["excluded_nodes"]) == ("alice-run", 1, [])
     events = _call_as(ALICE, socket_path, "events", run_id="ra")["result"]
-    assert [e["kind"] for e in events["events"]] == ["node_lost"]
+    assert [(e["source"], e["kind"]) for e in events["entries"]] == [("event", "node_lost")]
     assert _call_as(ALICE, socket_path, "cancel", run_id="ra")["result"]["cancel_requested"]
     with database.session() as s:
         run = s.get(Run, "ra")
@@ -180,7 +180,7 @@ def test_cli_commands_go_through_the_socket(
 
     assert {r["run_id"] for r in json.loads(run("runs", "--json"))} == {"ra", "rb"}
     assert "alice-run" in run("status", "ra")
-    assert "node_lost n2: lost n2" in run("events", "ra")
+    assert "event  node_lost n2: lost n2" in run("events", "ra")
     assert "cancel requested for rb" in run("cancel", "rb")
     monkeypatch.setenv("SLURMFT_PATHS_RUNTIME_DIR", "/nonexistent")
     with pytest.raises(SystemExit) as info:

@@ -122,7 +122,9 @@ def test_users_see_and_cancel_only_their_own_runs(
         "running",
         run.job_id,
     )
-    assert "events" in _cli_json(daemon, alice, "events", run.run_id)  # type: ignore[operator]
+    assert "entries" in _cli_json(daemon, alice, "events", run.run_id)  # type: ignore[operator]
+    refused = run_slurmft(daemon.client_env(), "runs", "--user", alice.name, as_user=bob)
+    assert refused.returncode == 1 and "only an admin may list" in refused.stderr
     root_sees = json.loads(slurmft(daemon.env, "runs", "--json"))
     assert _run_ids(root_sees) == sorted([run.run_id, bobs])
     # Bob ends his own run before alice's job frees the nodes it waits for (through slurmft: a

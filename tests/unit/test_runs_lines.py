@@ -1,0 +1,52 @@
+"""How `slurmft runs` and `slurmft events` print what the daemon sends, and read --since."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+import pytest
+import typer
+
+from slurmft.cli.runs_cmd import entry_line, run_line, since_time
+
+NOW = datetime(2026, 12, 1, 12, 0, tzinfo=UTC)
+
+
+@pytest.mark.parametrize(
+    ("given", "expected"),
+    [
+        ("90m", "2026-12-01T10:30:00+00:00"),
+        ("3d", "2026-11-28T12:00:00+00:00"),
+        ("2026-12-01", "2026-12-01T00:00:00+00:00"),  # UTC unless it says
+        ("2026-12-01T09:00+01:00", "2026-12-01T09:00:00+01:00"),
+    ],
+)
+def test_since_is_an_age_or_a_time(given: str, expected: str) -> None:
+    assert since_time(given, NOW) == expected
+
+
+def test_since_that_is_neither_is_a_clear_error() -> None:
+    with pytest.raises(typer.BadParameter, match=r"an ISO 8601 time .* or an age"):
+        since_time("last tuesday", NOW)
+
+
+def test_a_report_of_many_nodes_is_one_line_with_its_count() -> None:
+    entry = {"at": "2026-12-01T12:00:00+00:00", "source": "event", "kind": "restart",
+             "text": "workers restarted (round 1 -> 2)", "status": None, "count": 6,
+             "nodes": ["n1", "n2", "n3", "n4", "n5", "n6"], "ranks": []}  # fmt: skip
+    assert entry_line(entry) == (
+        "2026-12-01T12:00:00+00:00  event  restart x6 n1,n2,n3,n4,+2: "
+        "workers restarted (round 1 -> 2)"
+    )
+    action = {**entry, "source": "action", "kind": "drain_node", "status": "done", "count": 1,
+              "nodes": ["n2"], "text": "Xid 79 on n2"}  # fmt: skip
+    assert entry_line(action).endswith("action drain_node [done] n2: Xid 79 on n2")
+
+
+def test_a_run_line_shows_unknown_figures_as_dashes() -> None:
+    run = {"run_id": "r1", "state": "running", "nodes": 2, "spares": 1, "job_id": "7",
+           "step": None, "world_size": None, "restarts": 1, "restart_cap": 5,
+           "effective_ratio": None, "name": "plain"}  # fmt: skip
+    line = run_line(run)
+    assert "step -" in line and "world -" in line and "restarts 1/5" in line
+    assert line.endswith("effective -  plain")
