@@ -44,6 +44,7 @@ from slurmft.controller.agents_url import (
 )
 from slurmft.controller.bounded import ServerLimits
 from slurmft.controller.decide import Policy, decide
+from slurmft.controller.goodput_pass import measure_failures
 from slurmft.controller.health import OPS_LIMITS, LoopLiveness, OpsServer, check_health
 from slurmft.controller.http import IngestServer, server_tls
 from slurmft.controller.limits import RateLimits
@@ -67,6 +68,7 @@ from slurmft.slurm.runner import SubprocessRunner
 log = logging.getLogger(__name__)
 
 RETENTION_INTERVAL_S = 300.0
+GOODPUT_INTERVAL_S = 10.0  # a failure's cost is known within this of training being back
 REFUSAL_AUDIT_INTERVAL_S = 2.0
 
 
@@ -265,6 +267,18 @@ class Daemon:
         if folded or pruned:
             log.info("retention: folded %d step times, pruned %d heartbeat samples", folded, pruned)
 
+    def goodput_pass(self) -> None:
+        """Measure the failures training is back past (slurmft.controller.goodput_pass); before
+        retention folds their raw step times, which runs far less often."""
+        try:
+            with self.database.session() as session:
+                measured = measure_failures(session, self.clock())
+        except DatabaseUnavailable as exc:
+            log.warning("goodput pass skipped: %s", exc)
+            return
+        if measured:
+            log.info("goodput: %d failure reports measured", measured)
+
     def webhook_pass(self) -> None:
         """Send the notices waiting in the store's outbox (see webhook.py)."""
         assert self.webhook is not None
@@ -347,6 +361,9 @@ class Daemon:
         )
         self._scheduler.add_job(
             self.retention_pass, "interval", seconds=RETENTION_INTERVAL_S, id="retention"
+        )
+        self._scheduler.add_job(
+            self.goodput_pass, "interval", seconds=GOODPUT_INTERVAL_S, id="goodput"
         )
         if self.webhook is not None:
             self._scheduler.add_job(

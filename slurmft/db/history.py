@@ -49,10 +49,21 @@ HISTORY_VIEWS: dict[str, HistoryView] = {
         HistoryView("node_lemons", "Which nodes fail again and again?", "position, node"),
         HistoryView(
             "run_effective_time",
-            "What fraction of each run's time was training?",
+            "What fraction of each run's time was training, and where did the rest go?",
             "effective_ratio, run_id",
             has_run=True,
         ),
+        HistoryView(
+            "time_lost_by_node",
+            "Which nodes cost the most training time, and how?",
+            "lost_s DESC, node",
+        ),
+        HistoryView(
+            "time_lost_by_class",
+            "Which kinds of failure cost the most training time?",
+            "lost_s DESC, fault_class, kind",
+        ),
+        HistoryView("time_lost_by_day", "How much training time was lost each UTC day?", "day"),
     )
 }
 

@@ -160,6 +160,10 @@ class Run(Base):
     ended_at: Mapped[datetime | None]
     end_reason: Mapped[str | None] = mapped_column(Text)
     last_progress_at: Mapped[datetime | None]
+    # The start of its first step and the end of its newest (controller.goodput_pass): the span
+    # the effective ratio is taken over.
+    first_step_at: Mapped[datetime | None]
+    last_step_at: Mapped[datetime | None]
     restarts_without_progress: Mapped[int] = mapped_column(default=0)
     # Set when the owner asks to cancel; the controller cancels the job and ends the run.
     cancel_requested_at: Mapped[datetime | None]
@@ -318,8 +322,16 @@ class Event(Base):
     xid: Mapped[int | None]
     message: Mapped[str] = mapped_column(Text, default="")
     details: Mapped[dict[str, Any]] = mapped_column(default=dict)
-    # Training time this failure cost: detection + recovery + work redone since the checkpoint.
+    # Training time this failure cost (slurmft.core.goodput), and its parts by cause; set once
+    # training is back past the failure (NULL until then). The first report of an outage holds
+    # its cost; the other reports of the same outage hold 0.
     time_lost_s: Mapped[float | None] = mapped_column(Float)
+    lost_detection_s: Mapped[float | None] = mapped_column(Float)
+    lost_restart_s: Mapped[float | None] = mapped_column(Float)
+    lost_queue_wait_s: Mapped[float | None] = mapped_column(Float)
+    lost_replay_s: Mapped[float | None] = mapped_column(Float)
+    # True: estimated from observable times (a script that reports no steps), not measured.
+    time_lost_estimate: Mapped[bool | None]
     source: Mapped[str] = mapped_column(String(32), default="daemon")
     # An agent's evidence is judged against its attempt's allocation (slurmft.controller
     # .allocation): true when it names a node (or a job) that is not the run's own, and then it

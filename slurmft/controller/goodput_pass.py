@@ -1,0 +1,225 @@
+"""Storing what each failure cost (slurmft.core.goodput), once training is back past it.
+
+A periodic daemon job. For each run with a failure not measured yet, it reads the run's step
+completions around it (ranks below ``SAMPLE_RANKS``: every rank ends every step, so a few tell
+when a step ended, whatever the world size), the job's queue waits, and the checkpoints, and
+writes the figures onto the failure's event: ``time_lost_s`` and its parts by cause. Reports of
+one failure (a node lost, the GPU fault that caused it, the hang its peers then saw) are one
+outage: its cost goes on the first, the others get 0 with the id they were counted with.
+
+Stored at failure time, the figures outlive the folding of raw step times (retention), and the
+failure-history views only add them up. It also keeps the run's first and last step times,
+between which the effective ratio is taken.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from datetime import datetime, timedelta
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from slurmft.core.goodput import Completion, Lost, completions, estimate, measure, never_back
+from slurmft.db.models import Attempt, Event, EventKind, Run, StepTime
+from slurmft.db.states import RunState
+
+log = logging.getLogger(__name__)
+
+SAMPLE_RANKS = 8
+# Failures: what stops training. A straggler slows it (its cost is the report's, not an outage);
+# a preflight failure is a node that never trained.
+OUTAGE_KINDS = (
+    EventKind.RANK_FAILURE,
+    EventKind.NODE_LOST,
+    EventKind.GPU_FAULT,
+    EventKind.HANG,
+    EventKind.BATCH_HOST_DOWN,
+)
+# Earliest signs of an outage, besides its failure reports: a rank that saw its peer fail.
+SIGN_KINDS = (*OUTAGE_KINDS, EventKind.COLLECTIVE_ERROR)
+SIGN_LEAD = timedelta(seconds=60)  # how long before a failure's report a peer may have seen it
+LOOK_BACK = timedelta(minutes=30)  # step completions read before the first unmeasured failure
+GIVE_UP_AFTER = timedelta(days=2)  # a failure still unmeasurable this late is left unmeasured
+# A run's last steps reach the store up to a report interval after it ends.
+SPAN_AFTER_END = timedelta(minutes=10)
+LIVE_STATES = [state for state in RunState if not state.is_terminal]
+
+
+def _unmeasured(session: Session, now: datetime) -> dict[str, datetime]:
+    """Runs with outage reports not measured yet, and the earliest such report of each."""
+    rows = session.execute(
+        select(Event.run_id, func.min(Event.occurred_at))
+        .where(
+            Event.run_id.is_not(None),
+            Event.kind.in_(OUTAGE_KINDS),
+            Event.time_lost_s.is_(None),
+            Event.foreign.is_not(True),
+            Event.occurred_at >= now - GIVE_UP_AFTER,
+        )
+        .group_by(Event.run_id)
+    ).all()
+    return {run_id: at for run_id, at in rows if run_id is not None}
+
+
+def _steps(session: Session, run_id: str, since: datetime) -> list[Completion]:
+    rows = session.execute(
+        select(StepTime.step, StepTime.ended_at).where(
+            StepTime.run_id == run_id, StepTime.rank < SAMPLE_RANKS, StepTime.ended_at >= since
+        )
+    ).all()
+    return completions((step, at) for step, at in rows)
+
+
+def _queue_wait_s(attempts: Sequence[Attempt], start: datetime, end: datetime | None) -> float:
+    """Time the run's jobs waited for Slurm between ``start`` and ``end``: each later attempt
+    (a requeue, a resubmission) from its submission until Slurm started it."""
+    waited = 0.0
+    for attempt in attempts:
+        if attempt.submitted_at < start or (end is not None and attempt.submitted_at > end):
+            continue
+        until = attempt.started_at or end
+        if until is not None:
+            waited += max((until - attempt.submitted_at).total_seconds(), 0.0)
+    return waited
+
+
+def _plain_back_at(session: Session, run_id: str, detected: datetime,
+                   attempts: Sequence[Attempt]) -> datetime | None:  # fmt: skip
+    """When a script without steps was running again: its agents' first restart after the
+    failure, or the start of a later job of the run."""
+    restarted = session.scalar(
+        select(func.min(Event.occurred_at)).where(
+            Event.run_id == run_id,
+            Event.kind == EventKind.RESTART,
+            Event.source == "agent",
+            Event.occurred_at > detected,
+        )
+    )
+    started = [a.started_at for a in attempts if a.started_at and a.started_at > detected]
+    found = [at for at in (restarted, *started) if at is not None]
+    return min(found) if found else None
+
+
+def _checkpoint_before(session: Session, run_id: str, at: datetime) -> datetime | None:
+    return session.scalar(
+        select(func.max(Event.occurred_at)).where(
+            Event.run_id == run_id,
+            Event.kind == EventKind.CHECKPOINT,
+            Event.source == "agent",
+            Event.occurred_at <= at,
+        )
+    )
+
+
+def _lost(session: Session, run: Run, steps: Sequence[Completion], detected: datetime,
+          attempts: Sequence[Attempt]) -> Lost | None:  # fmt: skip
+    """The outage's cost, or None while it cannot be known yet."""
+    measured_steps = any(c.at <= detected for c in steps)
+    if measured_steps:
+        first_after = next((c.at for c in steps if c.at > detected), None)
+        lost = measure(steps, detected, _queue_wait_s(attempts, detected, first_after))
+        if lost is None and run.state.is_terminal and run.ended_at is not None:
+            return never_back(steps, detected, run.ended_at)
+        return lost
+    back = _plain_back_at(session, run.id, detected, attempts)
+    queue = _queue_wait_s(attempts, detected, back)
+    lost = estimate(detected, back, _checkpoint_before(session, run.id, detected), queue)
+    if lost is None and run.state.is_terminal and run.ended_at is not None:
+        return never_back(steps, detected, run.ended_at)
+    return lost
+
+
+def _store(first: Event, counted_with: Sequence[Event], lost: Lost) -> None:
+    first.time_lost_s = round(lost.total_s, 3)
+    first.lost_detection_s = round(lost.detection_s, 3)
+    first.lost_restart_s = round(lost.restart_s, 3)
+    first.lost_queue_wait_s = round(lost.queue_wait_s, 3)
+    first.lost_replay_s = round(lost.replay_s, 3)
+    first.time_lost_estimate = lost.estimate
+    first.details = {
+        **(first.details or {}),
+        "goodput": {"last_step": lost.last_step, "resumed_from": lost.resumed_from,
+                    "back_at": lost.back_at.isoformat() if lost.back_at else None},
+    }  # fmt: skip
+    for other in counted_with:
+        other.time_lost_s = 0.0
+        other.lost_detection_s = other.lost_restart_s = 0.0
+        other.lost_queue_wait_s = other.lost_replay_s = 0.0
+        other.time_lost_estimate = lost.estimate
+        other.details = {**(other.details or {}), "time_lost_counted_on": first.id}
+
+
+def _step_span(session: Session, run: Run) -> None:
+    """The run's first step start and newest step end, from the raw step times (before
+    retention folds them)."""
+    start, end = session.execute(
+        select(func.min(StepTime.ended_at), func.max(StepTime.ended_at)).where(
+            StepTime.run_id == run.id
+        )
+    ).one()
+    if start is not None and run.first_step_at is None:
+        first_s = session.scalar(
+            select(func.max(StepTime.compute_s + StepTime.wait_s)).where(
+                StepTime.run_id == run.id, StepTime.ended_at == start
+            )
+        )
+        run.first_step_at = start - timedelta(seconds=float(first_s or 0.0))
+    if end is not None and (run.last_step_at is None or end > run.last_step_at):
+        run.last_step_at = end
+
+
+def measure_run(session: Session, run: Run, since: datetime) -> int:
+    """Measure the run's outages from ``since`` on; returns how many reports got figures."""
+    steps = _steps(session, run.id, since - LOOK_BACK)
+    # A peer's word may come before the failure's own report; one before the last step that
+    # ended before that report belongs to an earlier trouble, which training got past.
+    last_before = max((c.at for c in steps if c.at <= since), default=since - SIGN_LEAD)
+    failures = session.scalars(
+        select(Event)
+        .where(
+            Event.run_id == run.id,
+            Event.kind.in_(SIGN_KINDS),
+            Event.occurred_at >= max(last_before, since - SIGN_LEAD),
+            Event.foreign.is_not(True),
+        )
+        .order_by(Event.occurred_at, Event.id)
+    ).all()
+    attempts = session.scalars(
+        select(Attempt).where(Attempt.run_id == run.id).order_by(Attempt.number)
+    ).all()
+    stored, i = 0, 0
+    while i < len(failures):
+        first = failures[i]
+        lost = _lost(session, run, steps, first.occurred_at, attempts)
+        if lost is None:
+            break  # not back yet: this outage, and any after it, next time
+        end = lost.back_at or first.occurred_at
+        group = [e for e in failures[i:] if e.occurred_at <= end]
+        i += max(len(group), 1)
+        outages = [e for e in group if e.kind in OUTAGE_KINDS]
+        if not outages or all(e.time_lost_s is not None for e in outages):
+            continue  # only a peer's word (no failure on record), or measured already
+        head, *rest = outages
+        _store(head, rest, lost)
+        stored += len(outages)
+    return stored
+
+
+def measure_failures(session: Session, now: datetime) -> int:
+    """One pass over every run with an unmeasured outage (and the step span of live runs)."""
+    stored = 0
+    for run_id, earliest in _unmeasured(session, now).items():
+        run = session.get(Run, run_id)
+        if run is not None:
+            stored += measure_run(session, run, earliest)
+    live = session.scalars(
+        select(Run).where(
+            Run.started_at.is_not(None),
+            Run.state.in_(LIVE_STATES) | (Run.ended_at >= now - SPAN_AFTER_END),
+        )
+    ).all()
+    for run in live:
+        _step_span(session, run)
+    return stored

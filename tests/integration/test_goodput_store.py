@@ -1,0 +1,125 @@
+"""Each failure's cost, measured by the daemon's goodput pass from the stored step times and
+written onto the failure, then added up by the views, on SQLite and PostgreSQL."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
+
+import pytest
+
+from slurmft.controller.goodput_pass import measure_failures
+from slurmft.db import Database
+from slurmft.db.history import read_view
+from slurmft.db.models import Attempt, Event, EventKind, FaultClass, Run, StepTime
+from slurmft.db.states import RunState
+
+T0 = datetime(2026, 12, 1, 8, 0, tzinfo=UTC)
+
+
+def _t(seconds: float) -> datetime:
+    return T0 + timedelta(seconds=seconds)
+
+
+def _steps(run_id: str, steps: range, start_s: float) -> list[StepTime]:
+    return [
+        StepTime(
+            run_id=run_id,
+            rank=rank,
+            step=step,
+            compute_s=0.8,
+            wait_s=0.2,
+            ended_at=_t(start_s + i + rank * 0.002),
+        )
+        for i, step in enumerate(steps)
+        for rank in range(4)
+    ]
+
+
+def _seed(database: Database, seed_run: Callable[..., None]) -> None:
+    """Steps 1-100 a second apart; n2 lost (a peer saw it at 103 s, the daemon's word at 105 s,
+    its GPU's Xid at 106 s: one outage); back from step 90 at 125 s; the run completed at
+    step 140."""
+    seed_run(database, "rg", job_id="7", started_at=_t(-10), created_at=_t(-40))
+    with database.session() as s:
+        s.add_all([*_steps("rg", range(1, 101), 1.0), *_steps("rg", range(91, 141), 125.0)])
+        s.add_all([
+            Event(run_id="rg", kind=EventKind.COLLECTIVE_ERROR, source="agent", rank=3,
+                  occurred_at=_t(103), message="peer gone"),
+            Event(run_id="rg", kind=EventKind.NODE_LOST, node="n2", occurred_at=_t(105),
+                  fault_class=FaultClass.HARDWARE, message="n2 not responding", foreign=False),
+            Event(run_id="rg", kind=EventKind.GPU_FAULT, node="n2", occurred_at=_t(106),
+                  fault_class=FaultClass.HARDWARE, xid=79, message="Xid 79", foreign=False),
+        ])  # fmt: skip
+
+
+def test_an_outage_is_measured_once_training_is_back_and_the_views_add_it_up(
+    database: Database, seed_run: Callable[..., None]
+) -> None:
+    _seed(database, seed_run)
+    with database.session() as s:
+        assert measure_failures(s, _t(200)) == 2
+    with database.session() as s:
+        lost, xid = (s.query(Event).filter_by(run_id="rg", kind=kind).one()
+                     for kind in (EventKind.NODE_LOST, EventKind.GPU_FAULT))  # fmt: skip
+        # The truth: S = 100 ended at 100 s, step 101 at 135 s, one step is 1 s: 34 s lost.
+        assert lost.time_lost_s == pytest.approx(34, abs=0.05)
+        assert lost.lost_detection_s == pytest.approx(3, abs=0.05)  # the peer's word
+        assert lost.lost_replay_s == pytest.approx(10, abs=0.05)
+        assert lost.lost_restart_s == pytest.approx(21, abs=0.05)
+        assert (lost.lost_queue_wait_s, lost.time_lost_estimate) == (0, False)
+        assert lost.details["goodput"]["resumed_from"] == 90
+        assert (xid.time_lost_s, xid.details["time_lost_counted_on"]) == (0, lost.id)
+        run = s.get(Run, "rg")
+        assert run is not None and run.first_step_at == _t(0)
+        run.state, run.ended_at = RunState.COMPLETED, _t(180)
+    with database.session() as s:
+        assert measure_failures(s, _t(300)) == 0  # measured already
+        (row,) = read_view(s, "run_effective_time", run_id="rg")
+        nodes = {r["node"]: r for r in read_view(s, "time_lost_by_node")}
+        classes = {(r["fault_class"], r["kind"]): r for r in read_view(s, "time_lost_by_class")}
+        (day,) = read_view(s, "time_lost_by_day")
+    # Wall: first step's start (0 s) to the last step's end (174 s), not the daemon's end.
+    assert row["wall_s"] == pytest.approx(174, abs=0.05)
+    assert row["lost_s"] == pytest.approx(34, abs=0.05)
+    assert row["effective_ratio"] == pytest.approx(140 / 174, abs=0.001)
+    assert (row["failures"], row["unmeasured"], row["estimate"]) == (2, 0, 0)
+    assert row["initial_wait_s"] == pytest.approx(30, abs=0.01)
+    assert row["startup_s"] == pytest.approx(10, abs=0.01)
+    assert nodes["n2"]["lost_s"] == pytest.approx(34, abs=0.05) and nodes["n2"]["failures"] == 2
+    assert classes[("hardware", "node_lost")]["replay_s"] == pytest.approx(10, abs=0.05)
+    assert (day["day"], day["runs"]) == ("2026-12-01", 1)
+
+
+def test_an_outage_not_trained_past_waits_and_a_plain_script_gets_an_estimate(
+    database: Database, seed_run: Callable[..., None]
+) -> None:
+    seed_run(database, "rw", job_id="8", started_at=_t(0))
+    seed_run(database, "rp", job_id="9", started_at=_t(0))
+    with database.session() as s:
+        s.add_all(_steps("rw", range(1, 50), 1.0))
+        s.add(Event(run_id="rw", kind=EventKind.HANG, node="n1", rank=1, occurred_at=_t(60),
+                    message="rank 1 silent"))  # fmt: skip
+        # The plain script: a checkpoint file at 40 s, n3 lost at 70 s, the job requeued
+        # (waiting 9 s for Slurm), its ranks running again at 95 s.
+        s.add(Event(run_id="rp", kind=EventKind.CHECKPOINT, source="agent", occurred_at=_t(40),
+                    message="checkpoint epoch_2",
+                    details={"layout": "files", "ordinal": 2, "label": "epoch_2"}))  # fmt: skip
+        s.add(Event(run_id="rp", kind=EventKind.NODE_LOST, node="n3", occurred_at=_t(70),
+                    message="n3 lost"))  # fmt: skip
+        s.add(Attempt(run_id="rp", number=2, slurm_job_id="9", submitted_at=_t(80),
+                      started_at=_t(89)))  # fmt: skip
+        s.add(Event(run_id="rp", kind=EventKind.RESTART, source="agent", node="n1",
+                    occurred_at=_t(95), message="workers restarted"))  # fmt: skip
+    with database.session() as s:
+        assert measure_failures(s, _t(120)) == 1  # the plain script's; the hang is not past
+        hang = s.query(Event).filter_by(run_id="rw", kind=EventKind.HANG).one()
+        assert hang.time_lost_s is None
+        plain = s.query(Event).filter_by(run_id="rp", kind=EventKind.NODE_LOST).one()
+        # Back when Slurm started its new job (89 s), the work since the checkpoint redone.
+        assert plain.time_lost_estimate is True
+        assert (plain.lost_replay_s, plain.lost_queue_wait_s) == (30, 9)
+        assert plain.lost_restart_s == pytest.approx(10)
+        assert plain.time_lost_s == pytest.approx(49)
+        (row,) = read_view(s, "run_effective_time", run_id="rp")
+        assert row["estimate"] == 1
