@@ -276,8 +276,15 @@ class Daemon:
         except DatabaseUnavailable as exc:
             log.warning("goodput pass skipped: %s", exc)
             return
-        if measured:
-            log.info("goodput: %d failure reports measured", measured)
+        for outage in measured:
+            back_s = outage.lost.detection_s + outage.lost.restart_s + outage.lost.queue_wait_s
+            self.metrics.observe_recovery(outage.kind, back_s)
+            log.info(
+                "goodput: %s outage measured (%d reports): %.1f s lost",
+                outage.kind.value,
+                outage.reports,
+                outage.lost.total_s,
+            )
 
     def webhook_pass(self) -> None:
         """Send the notices waiting in the store's outbox (see webhook.py)."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from sqlalchemy import func, select
@@ -45,6 +46,15 @@ GIVE_UP_AFTER = timedelta(days=2)  # a failure still unmeasurable this late is l
 # A run's last steps reach the store up to a report interval after it ends.
 SPAN_AFTER_END = timedelta(minutes=10)
 LIVE_STATES = [state for state in RunState if not state.is_terminal]
+
+
+@dataclass(frozen=True)
+class Measured:
+    """An outage measured: the kind of its first report, how many reports it had, its cost."""
+
+    kind: EventKind
+    reports: int
+    lost: Lost
 
 
 def _unmeasured(session: Session, now: datetime) -> dict[str, datetime]:
@@ -170,8 +180,8 @@ def _step_span(session: Session, run: Run) -> None:
         run.last_step_at = end
 
 
-def measure_run(session: Session, run: Run, since: datetime) -> int:
-    """Measure the run's outages from ``since`` on; returns how many reports got figures."""
+def measure_run(session: Session, run: Run, since: datetime) -> list[Measured]:
+    """Measure the run's outages from ``since`` on; returns those measured now."""
     steps = _steps(session, run.id, since - LOOK_BACK)
     # A peer's word may come before the failure's own report; one before the last step that
     # ended before that report belongs to an earlier trouble, which training got past.
@@ -189,7 +199,8 @@ def measure_run(session: Session, run: Run, since: datetime) -> int:
     attempts = session.scalars(
         select(Attempt).where(Attempt.run_id == run.id).order_by(Attempt.number)
     ).all()
-    stored, i = 0, 0
+    stored: list[Measured] = []
+    i = 0
     while i < len(failures):
         first = failures[i]
         lost = _lost(session, run, steps, first.occurred_at, attempts)
@@ -203,17 +214,18 @@ def measure_run(session: Session, run: Run, since: datetime) -> int:
             continue  # only a peer's word (no failure on record), or measured already
         head, *rest = outages
         _store(head, rest, lost)
-        stored += len(outages)
+        stored.append(Measured(head.kind, len(outages), lost))
     return stored
 
 
-def measure_failures(session: Session, now: datetime) -> int:
-    """One pass over every run with an unmeasured outage (and the step span of live runs)."""
-    stored = 0
+def measure_failures(session: Session, now: datetime) -> list[Measured]:
+    """One pass over every run with an unmeasured outage (and the step span of live runs);
+    returns the outages measured now."""
+    stored: list[Measured] = []
     for run_id, earliest in _unmeasured(session, now).items():
         run = session.get(Run, run_id)
         if run is not None:
-            stored += measure_run(session, run, earliest)
+            stored.extend(measure_run(session, run, earliest))
     live = session.scalars(
         select(Run).where(
             Run.started_at.is_not(None),

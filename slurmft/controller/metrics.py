@@ -17,6 +17,7 @@ Each registry is private to its daemon (never the global one), so tests can buil
 from __future__ import annotations
 
 import logging
+import math
 import os
 import platform
 import time
@@ -33,9 +34,11 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
-from sqlalchemy import func, select
+from sqlalchemy import func, select, text
+from sqlalchemy.orm import Session
 
 from slurmft import __version__
+from slurmft.controller.goodput_pass import OUTAGE_KINDS
 from slurmft.db import Database, DatabaseError
 from slurmft.db.models import Action, ActionKind, ActionStatus, Event, EventKind, Run
 from slurmft.db.states import RunState
@@ -77,6 +80,10 @@ INGEST_REFUSALS = {
 # Seconds: from a Slurm command of a few ms to one that runs into its timeout.
 SLURM_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 DETECTION_BUCKETS = (1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 1800)
+PASS_OUTCOMES = ("completed", "skipped_slurm", "skipped_store", "error")
+# The commands the daemon runs (slurmft.slurm.commands), each with its error series at zero.
+SLURM_COMMANDS = ("squeue", "sinfo", "scontrol", "sbatch", "scancel")
+RECOVERY_BUCKETS = (5, 10, 20, 30, 60, 120, 300, 600, 1800, 3600)
 LAG_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 60, 300)
 
 
@@ -116,6 +123,16 @@ class DaemonMetrics:
             buckets=DETECTION_BUCKETS,
             registry=r,
         )
+        self.recovery_latency = Histogram(
+            "slurmft_recovery_seconds",
+            "From an outage's detection until training was back (its detection, restart and "
+            "queue wait, slurmft.core.goodput), observed as the goodput pass measures it.",
+            ["kind"],
+            buckets=RECOVERY_BUCKETS,
+            registry=r,
+        )
+        for kind in OUTAGE_KINDS:  # every kind's series exists from the start, at zero
+            self.recovery_latency.labels(kind.value)
         self.ingest_requests = Counter(
             "slurmft_ingest_requests_total",
             "Agent report batches received, by HTTP status (200 accepted; else refused/error).",
@@ -173,8 +190,22 @@ class DaemonMetrics:
             ["job", "reason"],
             registry=r,
         )
+        self._start_at_zero()
         if database is not None:
             r.register(StoreCollector(database))
+
+    def _start_at_zero(self) -> None:
+        """The series the dashboard and alerts read exist from the start, at zero: a rate of
+        a series that appears only with its first error reads as no data, not as none."""
+        for outcome in PASS_OUTCOMES:
+            self.control_passes.labels(outcome)
+        for code in ("200", *map(str, INGEST_REFUSALS), "503"):
+            self.ingest_requests.labels(code)
+        for limit in {"run_quota", *INGEST_REFUSALS.values()}:
+            self.refusals.labels(limit)
+        for command in SLURM_COMMANDS:
+            for error in ("timeout", "unreachable", "exit_status"):
+                self.slurm_errors.labels(command, error)
 
     # --- hooks for the parts that do the work ---------------------------------------------
 
@@ -184,6 +215,9 @@ class DaemonMetrics:
         refused = INGEST_REFUSALS.get(status)
         if refused is not None:
             self.count_refusal(refused)
+
+    def observe_recovery(self, kind: EventKind, seconds: float) -> None:
+        self.recovery_latency.labels(kind.value).observe(seconds)
 
     def count_refusal(self, limit: str) -> None:
         self.refusals.labels(limit).inc()
@@ -280,6 +314,7 @@ class StoreCollector(Collector):
                     .group_by(Event.kind)
                 ).all()
             )
+            goodput = _goodput_families(s)
         by_state = GaugeMetricFamily("slurmft_runs", "Runs by state.", labels=["state"])
         for state in RunState:
             by_state.add_metric([state.value], runs.get(state, 0))
@@ -305,4 +340,58 @@ class StoreCollector(Collector):
         )
         for failure in FAILURE_KINDS:
             failed.add_metric([failure.value], failures.get(failure, 0))
-        return [by_state, recovered, drained, stragglers, failed]
+        return [by_state, recovered, drained, stragglers, failed, *goodput]
+
+
+LOST_PARTS = {
+    "detection": Event.lost_detection_s,
+    "restart": Event.lost_restart_s,
+    "queue_wait": Event.lost_queue_wait_s,
+    "replay": Event.lost_replay_s,
+}
+
+
+def _goodput_families(session: Session) -> list[Metric]:
+    """Training time lost by cause and the runs' wall time (both only grow: fleet goodput is
+    1 - rate(lost) / rate(wall)), the lowest effective ratio among live runs (no run id as a
+    label), and the outages not measured yet. Read from the store's figures and its
+    run_effective_time view (docs/failure-history.md)."""
+    sums = session.execute(
+        select(*(func.coalesce(func.sum(column), 0.0) for column in LOST_PARTS.values())).where(
+            Event.kind.in_(OUTAGE_KINDS)
+        )
+    ).one()
+    unmeasured = session.scalar(
+        select(func.count()).where(Event.kind.in_(OUTAGE_KINDS), Event.time_lost_s.is_(None))
+    )
+    live = [f"'{state.value}'" for state in RunState if not state.is_terminal]
+    wall, lowest = session.execute(
+        text(
+            "SELECT COALESCE(SUM(wall_s), 0), "
+            f"MIN(CASE WHEN state IN ({', '.join(live)}) THEN effective_ratio END) "
+            "FROM run_effective_time"
+        )
+    ).one()
+    lost = CounterMetricFamily(
+        "slurmft_time_lost_seconds",
+        "Training time lost to outages, by cause (detection, restart, queue_wait, replay), as "
+        "measured once training was back past each.",
+        labels=["cause"],
+    )
+    for cause, value in zip(LOST_PARTS, sums, strict=True):
+        lost.add_metric([cause], float(value))
+    walls = CounterMetricFamily(
+        "slurmft_run_wall_seconds",
+        "The runs' wall time, from each one's first step to its last (now, while it runs).",
+    )
+    walls.add_metric([], float(wall or 0.0))
+    waiting = GaugeMetricFamily(
+        "slurmft_outages_unmeasured", "Outages whose cost is not measured yet (not back past)."
+    )
+    waiting.add_metric([], float(unmeasured or 0))
+    worst = GaugeMetricFamily(
+        "slurmft_live_run_effective_ratio_min",
+        "The lowest effective ratio so far among the runs still live (NaN: none is).",
+    )
+    worst.add_metric([], math.nan if lowest is None else float(lowest))
+    return [lost, walls, waiting, worst]

@@ -58,7 +58,8 @@ def test_an_outage_is_measured_once_training_is_back_and_the_views_add_it_up(
 ) -> None:
     _seed(database, seed_run)
     with database.session() as s:
-        assert measure_failures(s, _t(200)) == 2
+        (measured,) = measure_failures(s, _t(200))
+        assert (measured.kind, measured.reports) == (EventKind.NODE_LOST, 2)
     with database.session() as s:
         lost, xid = (s.query(Event).filter_by(run_id="rg", kind=kind).one()
                      for kind in (EventKind.NODE_LOST, EventKind.GPU_FAULT))  # fmt: skip
@@ -74,7 +75,7 @@ def test_an_outage_is_measured_once_training_is_back_and_the_views_add_it_up(
         assert run is not None and run.first_step_at == _t(0)
         run.state, run.ended_at = RunState.COMPLETED, _t(180)
     with database.session() as s:
-        assert measure_failures(s, _t(300)) == 0  # measured already
+        assert measure_failures(s, _t(300)) == []  # measured already
         (row,) = read_view(s, "run_effective_time", run_id="rg")
         nodes = {r["node"]: r for r in read_view(s, "time_lost_by_node")}
         classes = {(r["fault_class"], r["kind"]): r for r in read_view(s, "time_lost_by_class")}
@@ -112,7 +113,8 @@ def test_an_outage_not_trained_past_waits_and_a_plain_script_gets_an_estimate(
         s.add(Event(run_id="rp", kind=EventKind.RESTART, source="agent", node="n1",
                     occurred_at=_t(95), message="workers restarted"))  # fmt: skip
     with database.session() as s:
-        assert measure_failures(s, _t(120)) == 1  # the plain script's; the hang is not past
+        # The plain script's outage; the hang is not trained past yet.
+        assert [m.kind for m in measure_failures(s, _t(120))] == [EventKind.NODE_LOST]
         hang = s.query(Event).filter_by(run_id="rw", kind=EventKind.HANG).one()
         assert hang.time_lost_s is None
         plain = s.query(Event).filter_by(run_id="rp", kind=EventKind.NODE_LOST).one()

@@ -377,6 +377,7 @@ class TinyRun:
         self.journal.step(
             {
                 "step": self.step,
+                "time": time.time(),  # when it ended: the truth goodput is measured against
                 "loss": stats[0].item() / self.plan.global_batch,
                 "lr": lr,
                 "samples": [int(v) for v in stats[1:].tolist()],

@@ -199,3 +199,23 @@ def second_venv(where: Path) -> Path:
     pth = site / "site-packages" / "first_venv.pth"
     pth.write_text(f"import site; site.addsitedir({sysconfig.get_paths()['purelib']!r})\n")
     return where / "bin" / "python"
+
+
+def worker_pid(run: SubmittedRun, rank: int) -> int:
+    """The training process of `rank` in the run (all nodes run on this host; job ids repeat
+    across clusters, checkpoint directories do not)."""
+    wanted = {b"RANK=" + str(rank).encode()}
+    ckpt = str(run.ckpt_dir).encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes()
+            environ = set((entry / "environ").read_bytes().split(b"\0"))
+        except OSError:
+            continue  # exited while we looked
+        if b"slurmft.train.examples.tiny" in cmdline and ckpt in cmdline and wanted <= environ:
+            found.append(int(entry.name))
+    assert len(found) == 1, f"rank {rank} of run {run.run_id}: processes {found}"
+    return found[0]

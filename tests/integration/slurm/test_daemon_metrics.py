@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from local_cluster import Cluster
+from support.promtool import rule_tests, run_promtool
 from support.waiting import wait_for_value
 
 from slurmft.db import Database
@@ -133,6 +134,9 @@ def test_daemon_under_a_fake_systemd_counts_the_recovery_of_a_killed_node(
             timeout_s=40,
         )
         assert _metric(after, "slurmft_failures_total", kind="node_lost") == 1
+        # The shipped alerts and dashboard, against this real scrape (tests/support/promtool).
+        run_promtool("check", "metrics", stdin=after)
+        assert "SUCCESS" in rule_tests(after, tmp_path)
         assert (
             _metric(after, "slurmft_slurm_command_duration_seconds_count", command="squeue") or 0
         ) >= 1

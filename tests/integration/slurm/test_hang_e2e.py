@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from daemon_process import DaemonProcess, running_daemon
-from e2e_run import TINY, SubmittedRun, submit
+from e2e_run import TINY, submit, worker_pid
 from local_cluster import Cluster
 from support.waiting import wait_for_value
 
@@ -39,26 +39,6 @@ SILENT_AFTER_S = 10
 def daemon(tmp_path: Path) -> Iterator[DaemonProcess]:
     with running_daemon(tmp_path, SLURMFT_POLICY_SILENT_AFTER_S=str(SILENT_AFTER_S)) as process:
         yield process
-
-
-def worker_pid(run: SubmittedRun, rank: int) -> int:
-    """The training process of `rank` in the run (all nodes run on this host; job ids repeat
-    across clusters, checkpoint directories do not)."""
-    wanted = {b"RANK=" + str(rank).encode()}
-    ckpt = str(run.ckpt_dir).encode()
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes()
-            environ = set((entry / "environ").read_bytes().split(b"\0"))
-        except OSError:
-            continue  # exited while we looked
-        if b"slurmft.train.examples.tiny" in cmdline and ckpt in cmdline and wanted <= environ:
-            found.append(int(entry.name))
-    assert len(found) == 1, f"rank {rank} of run {run.run_id}: processes {found}"
-    return found[0]
 
 
 def test_a_frozen_rank_is_declared_hung_its_stacks_saved_and_the_run_recovers(

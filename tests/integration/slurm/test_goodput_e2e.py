@@ -1,0 +1,175 @@
+"""Goodput measured against the truth, on the real local Slurm cluster.
+
+One run of the example (3 nodes + 1 spare) goes through three failures: an active node killed
+(the spare takes over), rank 1's worker frozen with SIGSTOP (the daemon finds it silent and its
+workers restart), and the batch host killed (the job is requeued without it). The truth for each
+comes from the example's own step log, where rank 0 writes when each step ended: the loss is
+t(first completion of a step > S) - t(S) - the median step, S being the last step completed
+before it; the replay is S minus the step resumed from, times the median step. What the daemon
+recorded must be within max(2 s, 10 %) of it, and the run's effective ratio within 0.01.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import signal
+import statistics
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from daemon_process import DaemonProcess, running_daemon
+from e2e_run import SubmittedRun, submit, worker_pid
+from local_cluster import Cluster
+from sqlalchemy import text
+from support.waiting import wait_for_value
+
+from slurmft.db.models import Event, EventKind
+from slurmft.db.states import AttemptState, RunState
+
+# serial: the hang is found by a rank's silence, which load from other tests also causes.
+pytestmark = [pytest.mark.slurm, pytest.mark.torch, pytest.mark.serial]
+
+# Each failure is struck late in a checkpoint interval, so that its replay, with its detection
+# and restart, costs over 15 s (the cheapest case this test means to measure).
+CKPT_EVERY, STRIKE_FROM = 40, 30
+EXAMPLE = [
+    "-m", "slurmft.train.examples.tiny", "--ckpt-dir", "{ckpt}", "--out-dir", "{out}",
+    "--steps", "320", "--ckpt-every", str(CKPT_EVERY), "--work-ms", "300",
+    "--heartbeat-interval-s", "1", "--pg-timeout-s", "30",
+]  # fmt: skip
+OUTAGES = (EventKind.NODE_LOST, EventKind.HANG, EventKind.BATCH_HOST_DOWN)
+
+
+@dataclass(frozen=True)
+class TrueLoss:
+    last_step: int  # S
+    resumed_from: int
+    lost_s: float
+    replay_s: float
+
+
+def true_losses(records: list[dict[str, Any]]) -> tuple[list[TrueLoss], float, float]:
+    """Each failure in the step log (a step run again, or a pause far longer than a step), the
+    median step, and the wall time from the first step's start to the last one's end."""
+    deltas = [
+        b["time"] - a["time"] for a, b in itertools.pairwise(records) if b["step"] == a["step"] + 1
+    ]
+    median = statistics.median(deltas)
+    found = []
+    for i in range(1, len(records)):
+        before, after = records[i - 1], records[i]
+        paused = after["time"] - before["time"] > 10 * median
+        if after["step"] <= before["step"] or paused:
+            s = max(r["step"] for r in records[:i])
+            t_s = max(r["time"] for r in records[:i] if r["step"] == s)
+            beyond = next(r for r in records[i:] if r["step"] > s)
+            resumed = after["step"] - 1
+            lost_s = beyond["time"] - t_s - median
+            found.append(TrueLoss(s, resumed, lost_s, (s - resumed) * median))
+    wall = records[-1]["time"] - (records[0]["time"] - median)
+    return found, median, wall
+
+
+@pytest.fixture
+def daemon(tmp_path: Path) -> Iterator[DaemonProcess]:
+    with running_daemon(tmp_path, SLURMFT_POLICY_SILENT_AFTER_S="10") as process:
+        yield process
+
+
+def _wait_to_strike(run: SubmittedRun, after_step: int) -> None:
+    """Until training is past ``after_step`` and late in a checkpoint interval."""
+    wait_for_value(
+        f"training past step {after_step}, late in a checkpoint interval",
+        run.latest_step,
+        lambda step: step > after_step and STRIKE_FROM <= step % CKPT_EVERY < CKPT_EVERY - 4,
+        timeout_s=240,
+    )
+
+
+def _node_killed(cluster: Cluster, run: SubmittedRun) -> None:
+    batch_host = cluster.client.job(run.job_id).batch_host
+    victim = sorted(set(run.beating_nodes().values()) - {batch_host})[0]
+    cluster.kill_node(victim)
+    run.wait_replaced(victim)
+
+
+def _rank_frozen(run: SubmittedRun) -> None:
+    pid = worker_pid(run, 1)
+    os.kill(pid, signal.SIGSTOP)
+    wait_for_value(
+        "the daemon to find rank 1 silent",
+        lambda: run.events(Event.kind == EventKind.HANG, Event.source == "daemon"),
+        bool,
+        timeout_s=90,
+    )
+
+
+def _batch_host_killed(cluster: Cluster, run: SubmittedRun) -> None:
+    cluster.kill_node(cluster.client.job(run.job_id).batch_host)
+    wait_for_value(
+        "the job requeued and running again",
+        run.attempts,
+        lambda found: len(found) == 2 and found[1].state is AttemptState.RUNNING,
+        timeout_s=150,
+    )
+
+
+def _recorded(run: SubmittedRun) -> list[Event]:
+    """The outages' heads: the reports the daemon put each outage's cost on."""
+    heads = run.events(Event.kind.in_(OUTAGES), Event.time_lost_s.is_not(None))
+    return sorted((e for e in heads if e.time_lost_s), key=lambda e: e.occurred_at)
+
+
+def test_three_failures_cost_what_the_step_log_says(
+    cluster: Cluster, daemon: DaemonProcess, tmp_path: Path
+) -> None:
+    run = submit(cluster, daemon, tmp_path, EXAMPLE, name="goodput")
+    run.wait_training(past_step=5)
+    _wait_to_strike(run, 0)
+    _node_killed(cluster, run)
+    _wait_to_strike(run, run.latest_step() + 12)
+    _rank_frozen(run)
+    _wait_to_strike(run, run.latest_step() + 12)
+    _batch_host_killed(cluster, run)
+    wait_for_value("the run to complete", lambda: run.run().state,
+                   lambda state: state is RunState.COMPLETED, timeout_s=300)  # fmt: skip
+
+    records = run.jsonl("losses.jsonl")
+    truth, median, wall = true_losses(records)
+    recorded, _ = wait_for_value(
+        "the daemon to measure the three outages",
+        lambda: _recorded(run),
+        lambda heads: len(heads) >= 3,
+        timeout_s=60,
+    )
+    assert len(truth) == len(recorded) == 3, (truth, [(e.kind, e.time_lost_s) for e in recorded])
+    report = []
+    for true, event in zip(truth, recorded, strict=True):
+        assert true.lost_s >= 15, f"a failure cheaper than the test means: {true}"
+        tolerance = max(2.0, 0.1 * true.lost_s)
+        report.append(f"{event.kind.value}: recorded {event.time_lost_s:.1f} s (detection "
+                      f"{event.lost_detection_s:.1f}, restart {event.lost_restart_s:.1f}, queue "
+                      f"{event.lost_queue_wait_s:.1f}, replay {event.lost_replay_s:.1f}), true "
+                      f"{true.lost_s:.1f} s (replay {true.replay_s:.1f})")  # fmt: skip
+        assert event.time_lost_s == pytest.approx(true.lost_s, abs=tolerance), report
+        replay_tolerance = max(2.0, 0.1 * true.replay_s)
+        assert event.lost_replay_s == pytest.approx(true.replay_s, abs=replay_tolerance), report
+        assert event.time_lost_estimate is False
+        assert event.details["goodput"]["last_step"] == true.last_step
+    assert recorded[2].lost_queue_wait_s is not None and recorded[2].lost_queue_wait_s >= 0
+
+    true_ratio = 1 - sum(t.lost_s for t in truth) / wall
+    with run.database.session() as s:
+        row = s.execute(
+            text("SELECT wall_s, effective_ratio FROM run_effective_time WHERE run_id = :r"),
+            {"r": run.run_id},
+        ).one()
+    assert float(row.effective_ratio) == pytest.approx(true_ratio, abs=0.01), (row, true_ratio)
+    assert float(row.wall_s) == pytest.approx(wall, abs=2.0)
+    print("\n" + "\n".join(report) + f"\nmedian step {median:.3f} s; effective ratio recorded "
+          f"{float(row.effective_ratio):.4f}, true {true_ratio:.4f}")  # fmt: skip
+    run.database.dispose()
