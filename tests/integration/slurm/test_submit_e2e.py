@@ -7,17 +7,19 @@ failure completes with its spare unused."""
 from __future__ import annotations
 
 import signal
+import time
 from pathlib import Path
 
 import pytest
 from daemon_process import DaemonProcess
-from e2e_run import TINY, submit
+from e2e_run import TINY, SubmittedRun, submit
 from local_cluster import Cluster
+from sqlalchemy import text
 from support.waiting import wait_for_value
 
 from slurmft.controller.intents import INTERRUPTED
 from slurmft.controller.rpc import call
-from slurmft.db.models import ActionKind, ActionStatus, Event, EventKind
+from slurmft.db.models import ActionKind, ActionStatus, Event, EventKind, Run
 from slurmft.db.states import RunState
 
 pytestmark = [pytest.mark.slurm, pytest.mark.torch]
@@ -83,5 +85,30 @@ def test_a_run_without_failures_completes_with_its_spare_unused(
         "the run to end", run.run, lambda r: r.state.is_terminal, timeout_s=180
     )
     assert (final.state, final.end_reason) == (RunState.COMPLETED, "the training script finished")
-    assert sorted({r["step"] for r in run.jsonl("losses.jsonl")}) == list(range(1, 16))
+    records = run.jsonl("losses.jsonl")
+    assert sorted({r["step"] for r in records}) == list(range(1, 16))
+    # Its effective ratio is whole, and its wall time is its steps' span, ended with them.
+    first, _ = wait_for_value(
+        "the run's wall time to end with its last step",
+        lambda: _effective(run),
+        lambda row: row[1] is not None,
+    )
+    time.sleep(2)
+    wall, ratio = _effective(run)
+    assert (wall, ratio) == first
+    assert ratio is not None and ratio >= 0.995
+    assert wall == pytest.approx(records[-1]["time"] - records[0]["time"], abs=3.0)
     run.database.dispose()
+
+
+def _effective(run: SubmittedRun) -> tuple[float, float | None]:
+    """The run's wall time and effective ratio in run_effective_time, once its step span is
+    complete (its last step's end stored; None before)."""
+    with run.database.session() as s:
+        stored = s.get(Run, run.run_id)
+        done = stored is not None and stored.last_step_at is not None
+        row = s.execute(
+            text("SELECT wall_s, effective_ratio FROM run_effective_time WHERE run_id = :r"),
+            {"r": run.run_id},
+        ).one()
+    return float(row.wall_s), float(row.effective_ratio) if done else None
