@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 import signal
 import socket
 import subprocess
@@ -176,6 +177,11 @@ class BatchStep:
         return usable_nodes(job.nodes, self.client.nodes(job.nodes), sorted(self.cordoned))
 
     def run(self) -> BatchExit:
+        # The job's output holds every attempt of a requeued job: `slurmft logs --attempt`
+        # finds each one's part by this line (slurmft.cli.logs_cmd.ATTEMPT_MARK).
+        restarts = os.environ.get("SLURM_RESTART_COUNT", "0")
+        host = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+        log.info("batch step of job %s, Slurm restart %s, on %s", self.job_id, restarts, host)
         if self.spec.store_port == 0:
             # Two jobs' batch steps may share a node: take a free port, the agents get it in
             # their rendezvous endpoint.

@@ -15,6 +15,7 @@ from slurmft.cli import (
     db_cmd,
     gpu_cmd,
     history_cmd,
+    logs_cmd,
     nodes_cmd,
     report_cmd,
     runs_cmd,
@@ -40,6 +41,7 @@ runs_cmd.register(app)
 daemon_cmd.register(app)
 submit_cmd.register(app)
 report_cmd.register(app)
+logs_cmd.register(app)
 
 
 def _version(value: bool) -> None:

@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 from sqlalchemy import Select, func, select
@@ -195,6 +196,29 @@ def _create_run(
     raise RpcError(over)
 
 
+def job_logs(run: Run) -> list[dict[str, Any]]:
+    """Where each attempt's job output is: the `--output` the run's job was submitted with
+    (`<ckpt>/.slurmft/slurm-%j.out` by default), for its job id. The daemon names the file; the
+    caller reads it with their own rights (`slurmft logs`), never the daemon for them."""
+    record = run.submission or {}
+    pattern = record.get("output") if isinstance(record.get("output"), str) else None
+    if pattern is None and run.checkpoint_dir:
+        pattern = str(Path(run.checkpoint_dir) / ".slurmft" / "slurm-%j.out")
+    return [
+        {
+            "attempt": attempt.number,
+            "job_id": attempt.slurm_job_id,
+            "slurm_restarts": attempt.slurm_restarts,
+            "state": attempt.state.value,
+            "started_at": attempt.started_at.isoformat() if attempt.started_at else None,
+            "path": pattern.replace("%j", attempt.slurm_job_id)
+            if pattern and attempt.slurm_job_id
+            else None,
+        }
+        for attempt in run.attempts
+    ]
+
+
 def _runs_query(uid: int, args: Mapping[str, Any], admins: Admins) -> Select[Run]:
     """The runs `slurmft runs` lists, newest first: the caller's own (an admin's: everyone's,
     or ``user``'s), in the ``states`` asked for, created since ``since`` (ISO 8601)."""
@@ -309,6 +333,11 @@ def operations(
                 "truncated": told.truncated,
             }
 
+    def log_files(uid: int, args: Mapping[str, Any]) -> dict[str, Any]:
+        with database.session() as session:
+            run = visible_run(session, uid, args.get("run_id"), admins)
+            return {"run_id": run.id, "owner": run.owner_name, "attempts": job_logs(run)}
+
     def cancel(uid: int, args: Mapping[str, Any]) -> dict[str, Any]:
         with database.session() as session:
             run = visible_run(session, uid, args.get("run_id"), admins)
@@ -324,6 +353,7 @@ def operations(
         "status": status,
         "events": events,
         "cancel": cancel,
+        "log_files": log_files,
         "create_run": create_run,
         "attach_job": attach_job,
         "fail_run": fail_run,

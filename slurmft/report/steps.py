@@ -17,7 +17,7 @@ import bisect
 import statistics
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 from sqlalchemy import func, select
@@ -35,6 +35,7 @@ from slurmft.db.models import (
 from slurmft.db.retention import quantile
 from slurmft.errors import SlurmftError
 from slurmft.report import DEFAULT_MAX_COLUMNS
+from slurmft.report.timeline import RunTimeline, load_timeline
 
 FLAG_KINDS = (EventKind.STRAGGLER, EventKind.HANG)
 
@@ -70,6 +71,10 @@ class StepPicture:
     nodes: dict[int, str] = field(default_factory=dict)
     flags: list[Mark] = field(default_factory=list)
     actions: list[Mark] = field(default_factory=list)
+    # Per rank, its slowest window of the run: (slowdown, first step, last step). A straggler
+    # that appears late is plain here; the whole-run median above would hide it.
+    worst_window: dict[int, tuple[float, int, int]] = field(default_factory=dict)
+    timeline: RunTimeline | None = None
 
     @property
     def flagged_ranks(self) -> list[int]:
@@ -78,6 +83,7 @@ class StepPicture:
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
         data["slowdown"] = {str(k): round(v, 4) for k, v in self.slowdown.items()}
+        data["worst_window"] = {str(k): list(v) for k, v in self.worst_window.items()}
         data["nodes"] = {str(k): v for k, v in self.nodes.items()}
         data["flagged_ranks"] = self.flagged_ranks
         return data
@@ -101,13 +107,19 @@ class StepPicture:
             nodes={int(k): v for k, v in data["nodes"].items()},
             flags=marks(data["flags"]),
             actions=marks(data["actions"]),
+            worst_window={
+                int(k): (float(v[0]), int(v[1]), int(v[2]))
+                for k, v in data.get("worst_window", {}).items()
+            },
+            timeline=RunTimeline.from_json(data["timeline"]) if data.get("timeline") else None,
         )
 
 
 def load_step_picture(
     session: Session, run_id: str, *, max_columns: int = DEFAULT_MAX_COLUMNS
 ) -> StepPicture:
-    if session.get(Run, run_id) is None:
+    run = session.get(Run, run_id)
+    if run is None:
         raise NoStepTimes(f"no run {run_id!r} in the store (see `slurmft runs`)")
     bounds = _step_bounds(session, run_id)
     if bounds is None:
@@ -141,6 +153,8 @@ def load_step_picture(
         nodes=nodes,
         flags=_flags(session, run_id, placer, nodes),
         actions=_actions(session, run_id, placer, nodes),
+        worst_window=worst_windows(matrix, median, ranks, columns),
+        timeline=load_timeline(session, run, datetime.now(UTC)),
     )
 
 
@@ -227,6 +241,33 @@ def _slowdown(
         if ratios:
             result[rank] = statistics.median(ratios)
     return result
+
+
+WINDOWS = 8  # a run's columns are judged in this many windows for each rank's worst
+
+
+def worst_windows(
+    matrix: list[list[float | None]],
+    median: list[float | None],
+    ranks: list[int],
+    columns: list[tuple[int, int]],
+    windows: int = WINDOWS,
+) -> dict[int, tuple[float, int, int]]:
+    """Each rank's slowest window: the median, over the window's columns, of its time over
+    the column's median across ranks; with the window's first and last step."""
+    width = max(1, -(-len(columns) // windows))  # ceil
+    worst: dict[int, tuple[float, int, int]] = {}
+    for rank, row in zip(ranks, matrix, strict=True):
+        for start in range(0, len(columns), width):
+            cells = zip(row[start : start + width], median[start : start + width], strict=True)
+            ratios = [v / m for v, m in cells if v is not None and m]
+            if not ratios:
+                continue
+            found = statistics.median(ratios)
+            if rank not in worst or found > worst[rank][0]:
+                last = min(start + width, len(columns)) - 1
+                worst[rank] = (found, columns[start][0], columns[last][1])
+    return worst
 
 
 class _StepPlacer:

@@ -23,9 +23,11 @@ from slurmft.db.models import (
     EventKind,
     FaultClass,
     RankHeartbeat,
+    Run,
     StepTime,
     StepTimeMinute,
 )
+from slurmft.db.states import RunState
 from slurmft.report.steps import NoStepTimes, StepPicture, load_step_picture
 
 pytest.importorskip("matplotlib", reason="the report extra (pip install 'slurmft[report]')")
@@ -34,6 +36,11 @@ RANKS, STEPS, SLOW_RANK = 8, 60, 5
 BASE_S, SLOWER = 0.10, 1.30
 FLAGGED_AT_STEP = 40
 T0 = datetime(2026, 11, 1, 12, 0, tzinfo=UTC)
+
+
+def _axes(fig: Any, label: str) -> Any:
+    """One panel of the picture: "timeline", "heat" or "band"."""
+    return next(ax for ax in fig.axes if ax.get_label() == label)
 
 
 def _node(rank: int) -> str:
@@ -129,7 +136,7 @@ def test_picture_row_of_the_straggler_stands_out(store: Database, tmp_path: Path
     fig = render(picture, out, threshold=0.2)
 
     # The data drawn: the heat map's array, row by row.
-    heat = fig.axes[0]
+    heat = _axes(fig, "heat")
     drawn = np.asarray(heat.images[0].get_array())
     row_means = drawn.mean(axis=1)
     others = np.delete(row_means, SLOW_RANK)
@@ -252,7 +259,7 @@ def test_a_hang_leaves_a_hole_and_a_restart_a_line(store: Database, tmp_path: Pa
 
     out = tmp_path / "hang.png"
     fig = render(picture, out)
-    heat = fig.axes[0]
+    heat = _axes(fig, "heat")
     pixels = matplotlib.image.imread(out)[:, :, :3]
     x, y = heat.transData.transform((hung_from + 2, 2))
     hole = pixels[round(pixels.shape[0] - y), round(x)]
@@ -268,3 +275,86 @@ def test_the_numbers_the_daemon_sends_draw_the_same_picture(store: Database) -> 
     sent = StepPicture.from_json(json.loads(json.dumps(picture.to_json())))
     assert sent.slowdown == pytest.approx(picture.slowdown, abs=1e-4)
     assert replace(sent, slowdown=picture.slowdown) == picture
+
+
+def test_the_timeline_marks_each_failure_where_it_happened(store: Database, tmp_path: Path) -> None:
+    """Two outages, measured: the PNG has the failure colour in the pixel columns of each, in
+    the timeline panel, and the time each cost is shaded by cause from its last step."""
+    import matplotlib.colors
+    import matplotlib.image
+    import numpy as np
+
+    from slurmft.report.plot import FAILURE_COLOUR, render
+
+    with store.session() as s:
+        run = s.get(Run, "rs")
+        assert run is not None
+        run.first_step_at, run.last_step_at = T0, T0 + timedelta(seconds=STEPS - 1)
+        run.state = RunState.COMPLETED  # the timeline ends with its last step, not now
+        for at, node in ((20, "n1"), (45, "n3")):
+            s.add(Event(run_id="rs", kind=EventKind.NODE_LOST, node=node,
+                        occurred_at=T0 + timedelta(seconds=at), message=f"{node} lost",
+                        time_lost_s=8.0, lost_detection_s=2.0, lost_queue_wait_s=0.0,
+                        lost_restart_s=4.0, lost_replay_s=2.0,
+                        time_lost_estimate=False))  # fmt: skip
+    with store.session() as s:
+        picture = load_step_picture(s, "rs")
+    assert picture.timeline is not None
+    failures = picture.timeline.failures
+    assert [(f.at_s, f.lost_s) for f in failures] == [(20.0, 8.0), (45.0, 8.0)]
+    assert failures[0].spans == (("detection", 18.0, 20.0), ("queue_wait", 20.0, 20.0),
+                                 ("restart", 20.0, 24.0), ("replay", 24.0, 26.0))  # fmt: skip
+    assert {b.world_size for b in picture.timeline.bins} == {RANKS}
+
+    out = tmp_path / "timeline.png"
+    fig = render(picture, out)
+    line = _axes(fig, "timeline")
+    pixels = matplotlib.image.imread(out)[:, :, :3]
+    height = pixels.shape[0]
+    crimson = np.array(matplotlib.colors.to_rgb(FAILURE_COLOUR))
+    (_, y0), (_, y1) = line.get_window_extent().get_points()
+    rows = slice(round(height - y1) + 2, round(height - y0) - 2)  # inside the panel
+
+    def has_failure_colour(column: int) -> bool:
+        strip = pixels[rows, column - 1 : column + 2].reshape(-1, 3)
+        return bool((np.linalg.norm(strip - crimson, axis=1) < 0.08).any())
+
+    for failure in failures:
+        x, _ = line.transData.transform((failure.at_s, 0))
+        assert has_failure_colour(round(x)), f"no failure mark at {failure.at_s} s"
+    quiet = {t: round(line.transData.transform((t, 0))[0]) for t in (5.0, 33.0, 55.0)}
+    assert not [t for t, x in quiet.items() if has_failure_colour(x)], quiet
+
+
+def test_one_huge_step_leaves_the_other_cells_their_colours(
+    store: Database, tmp_path: Path
+) -> None:
+    import numpy as np
+
+    from slurmft.report.plot import render
+
+    with store.session() as s:
+        picture = load_step_picture(s, "rs")
+    median = float(np.median([v for row in picture.compute_s for v in row if v is not None]))
+    rows = [list(row) for row in picture.compute_s]
+    rows[3][30] = 100 * median  # one step of one rank a hundred times the median
+    fig = render(replace(picture, compute_s=rows), tmp_path / "outlier.png")
+    image = _axes(fig, "heat").images[0]
+    others = [v for r, row in enumerate(rows) for c, v in enumerate(row)
+              if v is not None and (r, c) != (3, 30)]  # fmt: skip
+    levels = {tuple(image.cmap(image.norm(v))) for v in others}
+    assert len(levels) >= 8, len(levels)
+    assert image.norm(rows[3][30]) > 1  # drawn off the scale, in the "over" colour
+
+
+def test_a_late_straggler_is_labelled_by_its_slow_window(store: Database) -> None:
+    """Rank 1 slows to 1.6x for the last eighth of the run: its whole-run median hides it, its
+    worst window does not."""
+    with store.session() as s:
+        for row in s.query(StepTime).filter(StepTime.rank == 1, StepTime.step >= STEPS - 8):
+            row.compute_s *= 1.6
+    with store.session() as s:
+        picture = load_step_picture(s, "rs")
+    assert picture.slowdown[1] == pytest.approx(1.0, abs=0.05)
+    ratio, first, last = picture.worst_window[1]
+    assert ratio == pytest.approx(1.6, rel=0.06) and last == STEPS - 1 and first >= STEPS - 16

@@ -1,4 +1,4 @@
-"""How `slurmft runs` and `slurmft events` print what the daemon sends, and read --since."""
+"""How `slurmft runs`, `events` and `logs` print what the daemon sends, and read their options."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from datetime import UTC, datetime
 import pytest
 import typer
 
+from slurmft.cli.logs_cmd import attempt_lines
 from slurmft.cli.runs_cmd import entry_line, run_line, since_time
 
 NOW = datetime(2026, 12, 1, 12, 0, tzinfo=UTC)
@@ -50,3 +51,19 @@ def test_a_run_line_shows_unknown_figures_as_dashes() -> None:
     line = run_line(run)
     assert "step -" in line and "world -" in line and "restarts 1/5" in line
     assert line.endswith("effective -  plain")
+
+
+def test_a_requeued_jobs_output_is_cut_at_each_attempts_batch_step() -> None:
+    lines = [
+        "slurmft-store ready 5000\n",
+        "2026-12-01 08:00:00,000 slurmft agent[batch] INFO batch step of job 7, Slurm restart 0, "
+        "on n1\n",
+        "first attempt\n",
+        "2026-12-01 08:05:00,000 slurmft agent[batch] INFO batch step of job 7, Slurm restart 1, "
+        "on n2\n",
+        "second attempt\n",
+    ]
+    assert attempt_lines(lines, "7", 0) == lines[:3]  # the store's line is the first attempt's
+    assert attempt_lines(lines, "7", 1) == lines[3:]
+    assert attempt_lines(lines, "7", 2) == []  # not started yet
+    assert attempt_lines(["no marks\n"], "7", 1) == ["no marks\n"]  # older output: whole
