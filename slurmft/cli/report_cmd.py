@@ -1,4 +1,5 @@
-"""`slurmft report RUN`: the straggler picture of a run, or its numbers with --json.
+"""`slurmft report RUN`: the picture of a run (its timeline, its per-rank step times), or its
+numbers with --json.
 
 The daemon reads the store for the caller (their own runs; an admin's, every run) and sends the
 numbers; the picture is drawn here. `--store` reads the store directly, for whoever may (the
@@ -33,8 +34,10 @@ def report(  # noqa: PLR0917 (typer: one parameter per option)
     ] = DEFAULT_MAX_COLUMNS,
     store: STORE = False,
 ) -> None:
-    """Per-rank step times: a ranks x steps heat map of own compute time over the median band,
-    with stragglers, hangs, restarts and the controller's actions marked."""
+    """The run's picture: its wall-clock timeline (world size, step rate, failures with the time
+    each cost shaded by cause, restarts, requeues, actions) above a ranks x steps heat map of
+    own compute time over the median band, with stragglers, hangs, restarts and the
+    controller's actions marked."""
     cli = state(ctx)
     from slurmft.report.steps import StepPicture, load_step_picture
 
@@ -55,11 +58,15 @@ def report(  # noqa: PLR0917 (typer: one parameter per option)
     target = out or Path(f"{run_id}-steps.png")
     render(picture, target, threshold=cli.config.settings.policy.straggler_threshold)
     flagged = ", ".join(str(r) for r in picture.flagged_ranks) or "none"
-    slowest = max(picture.slowdown.items(), key=lambda item: item[1], default=None)
+    slowest = max(picture.worst_window.items(), key=lambda item: item[1][0], default=None)
+    window = ""
+    if slowest is not None:
+        rank, (ratio, first, last) = slowest
+        window = f"; slowest rank {rank} at x{ratio:.2f} the median (steps {first}-{last})"
     typer.echo(
         f"wrote {target}: {len(picture.ranks)} ranks x {len(picture.columns)} columns "
         f"(steps {picture.columns[0][0]}-{picture.columns[-1][1]}); flagged ranks: {flagged}"
-        + (f"; slowest rank {slowest[0]} at x{slowest[1]:.2f} the median" if slowest else "")
+        + window
     )
 
 

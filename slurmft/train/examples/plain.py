@@ -7,7 +7,8 @@ It stands for any user's script: run it by its path (not with `-m`, which would 
 slurmft package around it). It sends no heartbeats and reports nothing; it only writes its own
 checkpoint (`<ckpt-dir>/plain-<step>.pt`, written to a temporary name and renamed, so a file
 that exists is whole) every `--ckpt-every` steps and resumes from the newest one. Rank 0
-appends one JSON line per step to `<out-dir>/steps.jsonl` (step, world size, loss); every rank
+appends one JSON line per step to `<out-dir>/steps.jsonl` (step, world size, loss, when it
+ended); every rank
 appends one line per start to `<out-dir>/starts.jsonl` (rank, world size, its Slurm node, the
 step it resumed from, and the slurmft modules loaded in its process: none). A lost peer makes
 a collective fail: the script exits with an error and torchrun restarts it, with a spare in the
@@ -104,7 +105,7 @@ def main(argv: list[str] | None = None) -> None:
         optimizer.step()
         step += 1
         if rank == 0:
-            record = {"step": step, "world_size": world, "loss": loss.item()}
+            record = {"step": step, "world_size": world, "loss": loss.item(), "time": time.time()}
             append(out_dir / "steps.jsonl", record)
             if step % args.ckpt_every == 0 or step == args.steps:
                 state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}

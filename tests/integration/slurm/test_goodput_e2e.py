@@ -173,3 +173,46 @@ def test_three_failures_cost_what_the_step_log_says(
     print("\n" + "\n".join(report) + f"\nmedian step {median:.3f} s; effective ratio recorded "
           f"{float(row.effective_ratio):.4f}, true {true_ratio:.4f}")  # fmt: skip
     run.database.dispose()
+
+
+PLAIN_CKPT_EVERY = 30
+
+
+def test_a_plain_scripts_failure_gets_an_estimate_near_the_truth(
+    cluster: Cluster, daemon: DaemonProcess, tmp_path: Path
+) -> None:
+    """A script without slurmft.train reports no steps: its node loss gets an estimate (marked
+    so) from the failure's report, its ranks' restart and its checkpoint files, within
+    max(5 s, 25 %) of what its own step log says."""
+    plain = str(Path(__file__).parents[3] / "slurmft" / "train" / "examples" / "plain.py")
+    argv = [plain, "--ckpt-dir", "{ckpt}", "--out-dir", "{out}", "--steps", "200",
+            "--ckpt-every", str(PLAIN_CKPT_EVERY), "--work-ms", "300",
+            "--pg-timeout-s", "30"]  # fmt: skip
+    run = submit(cluster, daemon, tmp_path, argv, name="plain-goodput")
+    steps = lambda: [r["step"] for r in run.jsonl("steps.jsonl")]  # noqa: E731
+    wait_for_value(
+        "the plain script late in a checkpoint interval",
+        lambda: (steps() or [0])[-1],
+        lambda step: step % PLAIN_CKPT_EVERY >= 20 and step % PLAIN_CKPT_EVERY < 26,
+        timeout_s=240,
+    )
+    batch_host = cluster.client.job(run.job_id).batch_host
+    # An active node (the script reports nothing: its own starts.jsonl says where ranks run).
+    active = {start["node"] for start in run.jsonl("starts.jsonl")}
+    victim = sorted(active - {batch_host})[0]
+    cluster.kill_node(victim)
+    wait_for_value("the run to complete", lambda: run.run().state,
+                   lambda state: state is RunState.COMPLETED, timeout_s=300)  # fmt: skip
+    truth, _, _ = true_losses(run.jsonl("steps.jsonl"))
+    (recorded,), _ = wait_for_value(
+        "the daemon to estimate the outage",
+        lambda: _recorded(run),
+        lambda heads: len(heads) == 1,
+        timeout_s=60,
+    )
+    (true,) = truth
+    print(f"\nplain: estimated {recorded.time_lost_s:.1f} s (restart {recorded.lost_restart_s:.1f}"
+          f", replay {recorded.lost_replay_s:.1f}), true {true.lost_s:.1f} s")  # fmt: skip
+    assert recorded.time_lost_estimate is True
+    assert recorded.time_lost_s == pytest.approx(true.lost_s, abs=max(5.0, 0.25 * true.lost_s))
+    run.database.dispose()
