@@ -73,6 +73,7 @@ GIVE_UP_GRACE_S = 20.0
 # SlurmdTimeout (300 s) and a minute, for a site without a daemon to set them DOWN sooner.
 FENCE_WAIT_S = 360.0
 CONFIRM_S = PolicySection.confirm_s  # the daemon's default; the job's config sets it
+FINISH_GRACE_S = 30.0  # after one agent's training finished, for the others to end
 
 
 def allocation_report(job_id: str, nodes: Sequence[str], active: int) -> AllocationReport:
@@ -119,6 +120,7 @@ class BatchStep:
         give_up_grace_s: float = GIVE_UP_GRACE_S,
         fence_wait_s: float = FENCE_WAIT_S,
         confirm_s: float = CONFIRM_S,
+        finish_grace_s: float = FINISH_GRACE_S,
         report_allocation: Callable[[AllocationReport], None] | None = None,
         report_event: Callable[[AgentEvent], None] | None = None,
     ):
@@ -130,6 +132,8 @@ class BatchStep:
         # is ended for it once it has held `confirm_s` (a flicker costs nothing), or at once
         # when Slurm has the node DOWN or has taken it out of the job.
         self.confirm_s, self.lost = confirm_s, LostSightings()
+        self.finish_grace_s = finish_grace_s
+        self.finished_seen_at: float | None = None  # the current step's first finished agent
         self.state = BatchState.load(spec.ckpt_dir, spec.max_restarts_without_progress)
         self.save_requested = threading.Event()
         self.outcome_dir = ""  # the current agent step's (see batch.StepOutcomes)
@@ -247,7 +251,7 @@ class BatchStep:
         self.outcome_dir = self._new_outcome_dir()
         self.step_before = self.state.budget
         self.step_seen, self.step_gone, self.step_stopped_at = [], set(), None
-        self.step_spent = None
+        self.step_spent, self.finished_seen_at = None, None
         agent = self.spec.agent_argv(self.store_host, self.outcome_dir)
         argv = srun_argv(nodes, agent, self.spec.step_options())
         step = subprocess.Popen(argv)
@@ -262,10 +266,23 @@ class BatchStep:
                     self._save_state()  # the filesystem may have room again
                 if self._step_cannot_recover(nodes):
                     return self._stop(step)
-                if self._budget_spent():
+                if self._budget_spent() or self._finished_elsewhere():
                     return self._stop(step)
             time.sleep(0.2)
         return int(step.returncode)
+
+    def _finished_elsewhere(self) -> bool:
+        """An agent's torchrun succeeded: training is done, and the other agents end within
+        moments. One that does not (seen: a worker that aborted at its exit, whose torchrun
+        then waits for a round no peer will join) is stopped after `finish_grace_s`."""
+        if not self._read_outcomes().finished:
+            return False
+        now = time.monotonic()
+        if self.finished_seen_at is None:
+            self.finished_seen_at = now
+            log.info("training finished on an agent: the others have %.0f s to end",
+                     self.finish_grace_s)  # fmt: skip
+        return now - self.finished_seen_at >= self.finish_grace_s
 
     def _budget_spent(self) -> bool:
         """The step's in-place restarts spent the budget, and the daemon, if it watches the run,

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
@@ -45,6 +45,10 @@ LOOK_BACK = timedelta(minutes=30)  # step completions read before the first unme
 GIVE_UP_AFTER = timedelta(days=2)  # a failure still unmeasurable this late is left unmeasured
 # A run's last steps reach the store up to a report interval after it ends.
 SPAN_AFTER_END = timedelta(minutes=10)
+# A script without steps: its agents restart its workers within this of the failure; a requeued
+# or resubmitted job of it starts within the other.
+PLAIN_BACK_WITHIN = timedelta(minutes=2)
+PLAIN_REQUEUE_WITHIN = timedelta(minutes=30)
 LIVE_STATES = [state for state in RunState if not state.is_terminal]
 
 
@@ -95,32 +99,71 @@ def _queue_wait_s(attempts: Sequence[Attempt], start: datetime, end: datetime | 
     return waited
 
 
-def _plain_back_at(session: Session, run_id: str, detected: datetime,
-                   attempts: Sequence[Attempt]) -> datetime | None:  # fmt: skip
-    """When a script without steps was running again: its agents' first restart after the
-    failure, or the start of a later job of the run."""
-    restarted = session.scalar(
-        select(func.min(Event.occurred_at)).where(
-            Event.run_id == run_id,
-            Event.kind == EventKind.RESTART,
-            Event.source == "agent",
-            Event.occurred_at > detected,
+def _agent_restarts(
+    session: Session, run_id: str, start: datetime, end: datetime
+) -> list[datetime]:
+    """When the run's agents restarted its workers (each agent, each new round), in a window."""
+    return list(
+        session.scalars(
+            select(Event.occurred_at).where(
+                Event.run_id == run_id,
+                Event.kind == EventKind.RESTART,
+                Event.source == "agent",
+                Event.occurred_at >= start,
+                Event.occurred_at <= end,
+            )
         )
     )
-    started = [a.started_at for a in attempts if a.started_at and a.started_at > detected]
-    found = [at for at in (restarted, *started) if at is not None]
-    return min(found) if found else None
 
 
-def _checkpoint_before(session: Session, run_id: str, at: datetime) -> datetime | None:
-    return session.scalar(
-        select(func.max(Event.occurred_at)).where(
+def _plain_failed_at(session: Session, run_id: str, detected: datetime) -> datetime:
+    """When a script without steps failed, as near as can be seen: its ranks' restart (torch
+    notices a dead peer at once) if that came before the failure's report."""
+    earlier = _agent_restarts(session, run_id, detected - SIGN_LEAD, detected)
+    return min([detected, *earlier])
+
+
+def _plain_back_at(session: Session, run_id: str, failed: datetime,
+                   attempts: Sequence[Attempt]) -> datetime | None:  # fmt: skip
+    """When a script without steps was running again: its agents' last restart of workers
+    after the failure (every agent reports the new round), or the start of a later job of the
+    run (a requeue, a resubmission), whichever is later."""
+    restarted = _agent_restarts(session, run_id, failed, failed + PLAIN_BACK_WITHIN)
+    started = [
+        a.started_at for a in attempts
+        if a.started_at and failed < a.started_at <= failed + PLAIN_REQUEUE_WITHIN
+    ]  # fmt: skip
+    found = [*restarted, *started]
+    return max(found) if found else None
+
+
+def _file_time(at: datetime, details: object) -> datetime:
+    """A checkpoint's own time: a file the batch step found carries its mtime (its ordinal, in
+    ns); a verified one is reported when written."""
+    if isinstance(details, dict) and details.get("layout") not in (None, "slurmft"):
+        ordinal = details.get("ordinal")
+        if isinstance(ordinal, int) and not isinstance(ordinal, bool):
+            return datetime.fromtimestamp(ordinal / 1e9, UTC)
+    return at
+
+
+def _work_since(session: Session, run_id: str, failed: datetime,
+                attempts: Sequence[Attempt]) -> datetime | None:  # fmt: skip
+    """Since when the work the failure undid was done: the newest checkpoint written before it
+    (found up to a poll later), else the start of the job it ran in."""
+    rows = session.execute(
+        select(Event.occurred_at, Event.details).where(
             Event.run_id == run_id,
             Event.kind == EventKind.CHECKPOINT,
             Event.source == "agent",
-            Event.occurred_at <= at,
+            Event.occurred_at <= failed + SIGN_LEAD,
         )
-    )
+    ).all()
+    written = [t for t in (_file_time(at, d) for at, d in rows) if t <= failed]
+    if written:
+        return max(written)
+    started = [a.started_at for a in attempts if a.started_at and a.started_at <= failed]
+    return max(started) if started else None
 
 
 def _lost(session: Session, run: Run, steps: Sequence[Completion], detected: datetime,
@@ -133,9 +176,10 @@ def _lost(session: Session, run: Run, steps: Sequence[Completion], detected: dat
         if lost is None and run.state.is_terminal and run.ended_at is not None:
             return never_back(steps, detected, run.ended_at)
         return lost
-    back = _plain_back_at(session, run.id, detected, attempts)
-    queue = _queue_wait_s(attempts, detected, back)
-    lost = estimate(detected, back, _checkpoint_before(session, run.id, detected), queue)
+    failed = _plain_failed_at(session, run.id, detected)
+    back = _plain_back_at(session, run.id, failed, attempts)
+    queue = _queue_wait_s(attempts, failed, back)
+    lost = estimate(failed, back, _work_since(session, run.id, failed, attempts), queue)
     if lost is None and run.state.is_terminal and run.ended_at is not None:
         return never_back(steps, detected, run.ended_at)
     return lost

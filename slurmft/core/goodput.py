@@ -122,19 +122,20 @@ def never_back(steps: Sequence[Completion], detected_at: datetime, ended_at: dat
 
 
 def estimate(
-    detected_at: datetime,
+    failed_at: datetime,
     back_at: datetime | None,
-    checkpoint_at: datetime | None,
+    work_since: datetime | None,
     queue_wait_s: float = 0.0,
 ) -> Lost | None:
-    """The cost of a failure of a script that reports no steps: from the newest checkpoint file
-    before it (the work since is done again) to when its ranks were running again
-    (``back_at``: their restart after it, or the start of the job that replaced the failed
-    one). Detection is not observable and counts as restart. None while not back yet."""
+    """The cost of a failure of a script that reports no steps: the work since ``work_since``
+    (its newest checkpoint file before the failure, or the start of its job) is done again, and
+    the time until its ranks were running again (``back_at``: their restart after it, or the
+    start of the job that replaced the failed one) is restart. Detection is not observable
+    apart: it counts as restart. None while not back yet."""
     if back_at is None:
         return None
-    restart = max((back_at - detected_at).total_seconds() - queue_wait_s, 0.0)
+    restart = max((back_at - failed_at).total_seconds() - queue_wait_s, 0.0)
     replay = 0.0
-    if checkpoint_at is not None:
-        replay = max((detected_at - checkpoint_at).total_seconds(), 0.0)
+    if work_since is not None:
+        replay = max((failed_at - work_since).total_seconds(), 0.0)
     return Lost(0.0, restart, max(queue_wait_s, 0.0), replay, None, None, back_at, True)

@@ -101,11 +101,13 @@ def test_an_outage_not_trained_past_waits_and_a_plain_script_gets_an_estimate(
         s.add_all(_steps("rw", range(1, 50), 1.0))
         s.add(Event(run_id="rw", kind=EventKind.HANG, node="n1", rank=1, occurred_at=_t(60),
                     message="rank 1 silent"))  # fmt: skip
-        # The plain script: a checkpoint file at 40 s, n3 lost at 70 s, the job requeued
-        # (waiting 9 s for Slurm), its ranks running again at 95 s.
-        s.add(Event(run_id="rp", kind=EventKind.CHECKPOINT, source="agent", occurred_at=_t(40),
+        # The plain script: a checkpoint file written at 40 s (found at 43 s), n3 lost at 70 s,
+        # the job requeued (waiting 9 s for Slurm), its ranks running again at 95 s.
+        written_ns = int(_t(40).timestamp() * 1e9)
+        s.add(Event(run_id="rp", kind=EventKind.CHECKPOINT, source="agent", occurred_at=_t(43),
                     message="checkpoint epoch_2",
-                    details={"layout": "files", "ordinal": 2, "label": "epoch_2"}))  # fmt: skip
+                    details={"layout": "plain", "ordinal": written_ns,
+                             "label": "epoch_2"}))  # fmt: skip
         s.add(Event(run_id="rp", kind=EventKind.NODE_LOST, node="n3", occurred_at=_t(70),
                     message="n3 lost"))  # fmt: skip
         s.add(Attempt(run_id="rp", number=2, slurm_job_id="9", submitted_at=_t(80),
@@ -118,10 +120,10 @@ def test_an_outage_not_trained_past_waits_and_a_plain_script_gets_an_estimate(
         hang = s.query(Event).filter_by(run_id="rw", kind=EventKind.HANG).one()
         assert hang.time_lost_s is None
         plain = s.query(Event).filter_by(run_id="rp", kind=EventKind.NODE_LOST).one()
-        # Back when Slurm started its new job (89 s), the work since the checkpoint redone.
+        # Back when its ranks ran again (95 s), the work since the checkpoint file redone.
         assert plain.time_lost_estimate is True
         assert (plain.lost_replay_s, plain.lost_queue_wait_s) == (30, 9)
-        assert plain.lost_restart_s == pytest.approx(10)
-        assert plain.time_lost_s == pytest.approx(49)
+        assert plain.lost_restart_s == pytest.approx(16)
+        assert plain.time_lost_s == pytest.approx(55)
         (row,) = read_view(s, "run_effective_time", run_id="rp")
         assert row["estimate"] == 1

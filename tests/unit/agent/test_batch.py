@@ -7,6 +7,7 @@ import os
 import shlex
 import subprocess
 import sys
+import time
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -454,6 +455,19 @@ def test_the_agent_step_ends_for_a_silent_node_only_once_slurms_word_is_confirme
             slurm.job = lambda job_id: JobInfo(job_id, JobState.RUNNING, nodes=("n1", "n3"))  # type: ignore[method-assign]
         seen.append(batch._step_cannot_recover(("n1", "n2", "n3")))
     assert seen == ends
+
+
+def test_an_agent_step_that_finished_on_one_agent_is_ended_after_a_grace(tmp_path: Path) -> None:
+    """Training finished on n1; n4's torchrun waits for a round no peer will join (its worker
+    aborted at exit): after the grace the batch step stops the step, which reads finished."""
+    spec = dataclasses.replace(SPEC, ckpt_dir=str(tmp_path))
+    batch = BatchStep(spec, FlickeringSlurm(), "7", "127.0.0.1", finish_grace_s=0.2)  # type: ignore[arg-type]
+    batch.outcome_dir = str(tmp_path / "outcomes")
+    assert not batch._finished_elsewhere()  # no agent has ended yet
+    write_step_outcome(batch.outcome_dir, "n1", "FINISHED")
+    assert not batch._finished_elsewhere()  # the others get their grace
+    time.sleep(0.25)
+    assert batch._finished_elsewhere()
 
 
 def _spec_run(**fields: object) -> RunSpec:

@@ -70,7 +70,7 @@ def test_no_part_is_more_than_the_loss() -> None:
 
 
 def test_a_script_without_steps_gets_an_estimate_from_what_is_observable() -> None:
-    lost = estimate(_t(105), back_at=_t(125), checkpoint_at=_t(60), queue_wait_s=4.0)
+    lost = estimate(_t(105), back_at=_t(125), work_since=_t(60), queue_wait_s=4.0)
     assert lost is not None and lost.estimate
     assert (lost.replay_s, lost.queue_wait_s, lost.restart_s) == (45.0, 4.0, 16.0)
-    assert estimate(_t(105), back_at=None, checkpoint_at=None) is None
+    assert estimate(_t(105), back_at=None, work_since=None) is None
