@@ -14,7 +14,9 @@ between which the effective ratio is taken.
 
 from __future__ import annotations
 
+import itertools
 import logging
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -147,23 +149,47 @@ def _file_time(at: datetime, details: object) -> datetime:
     return at
 
 
-def _work_since(session: Session, run_id: str, failed: datetime,
-                attempts: Sequence[Attempt]) -> datetime | None:  # fmt: skip
-    """Since when the work the failure undid was done: the newest checkpoint written before it
-    (found up to a poll later), else the start of the job it ran in."""
+def _checkpoint_times(session: Session, run_id: str, since: datetime) -> list[datetime]:
+    """When the run's checkpoints were written (their own times), oldest first."""
     rows = session.execute(
         select(Event.occurred_at, Event.details).where(
             Event.run_id == run_id,
             Event.kind == EventKind.CHECKPOINT,
             Event.source == "agent",
-            Event.occurred_at <= failed + SIGN_LEAD,
+            Event.occurred_at >= since,
         )
     ).all()
-    written = [t for t in (_file_time(at, d) for at, d in rows) if t <= failed]
-    if written:
-        return max(written)
-    started = [a.started_at for a in attempts if a.started_at and a.started_at <= failed]
-    return max(started) if started else None
+    return sorted(t for t in (_file_time(at, d) for at, d in rows) if t >= since)
+
+
+def _plain_estimate(session: Session, run: Run, detected: datetime,
+                    attempts: Sequence[Attempt]) -> Lost | None:  # fmt: skip
+    """A script without steps: when it was back is read from its checkpoint files' cadence
+    (the first file after the failure, less the usual time between two files: it resumed that
+    long before), else from its ranks' relaunch; the work since its newest file before the
+    failure is done again. None until a file after the failure shows it back (or the run
+    ended)."""
+    failed = _plain_failed_at(session, run.id, detected)
+    relaunched = _plain_back_at(session, run.id, failed, attempts)
+    if relaunched is None:
+        return None
+    files = _checkpoint_times(session, run.id, failed - LOOK_BACK)
+    before = [t for t in files if t <= failed]
+    after = [t for t in files if t > relaunched]
+    cadence = before[-4:] if len(before) >= 2 else after[:4]
+    gaps = [(b - a).total_seconds() for a, b in itertools.pairwise(cadence)]
+    if not after and not run.state.is_terminal:
+        return None  # back, but how far along is not seen yet
+    back = relaunched
+    if after and gaps:
+        back = max(after[0] - timedelta(seconds=statistics.median(gaps)), relaunched)
+    if before:
+        work_since: datetime | None = before[-1]
+    else:  # from the job's start, less its start-up (taken as long as this restart's)
+        started = [a.started_at for a in attempts if a.started_at and a.started_at <= failed]
+        work_since = max(started) + (back - relaunched) if started else None
+    queue = _queue_wait_s(attempts, failed, back)
+    return estimate(failed, back, work_since, queue)
 
 
 def _lost(session: Session, run: Run, steps: Sequence[Completion], detected: datetime,
@@ -176,10 +202,7 @@ def _lost(session: Session, run: Run, steps: Sequence[Completion], detected: dat
         if lost is None and run.state.is_terminal and run.ended_at is not None:
             return never_back(steps, detected, run.ended_at)
         return lost
-    failed = _plain_failed_at(session, run.id, detected)
-    back = _plain_back_at(session, run.id, failed, attempts)
-    queue = _queue_wait_s(attempts, failed, back)
-    lost = estimate(failed, back, _work_since(session, run.id, failed, attempts), queue)
+    lost = _plain_estimate(session, run, detected, attempts)
     if lost is None and run.state.is_terminal and run.ended_at is not None:
         return never_back(steps, detected, run.ended_at)
     return lost
@@ -250,7 +273,9 @@ def measure_run(session: Session, run: Run, since: datetime) -> list[Measured]:
         lost = _lost(session, run, steps, first.occurred_at, attempts)
         if lost is None:
             break  # not back yet: this outage, and any after it, next time
-        end = lost.back_at or first.occurred_at
+        # Reports up to when training was back are this outage's (a script without steps may
+        # be back, its ranks restarted, before the failure's own report).
+        end = max(lost.back_at or first.occurred_at, first.occurred_at)
         group = [e for e in failures[i:] if e.occurred_at <= end]
         i += max(len(group), 1)
         outages = [e for e in group if e.kind in OUTAGE_KINDS]

@@ -13,7 +13,8 @@ Together they are the true loss: ``t(first completion of a step > S) - t(S) - me
 
 A script that never imports slurmft.train reports no steps: its figures are estimates (marked
 so) from what is observable: the failure's report, the ranks' restarts, the checkpoint files the
-batch step found, and the job's start. Pure: the store's rows in, figures out.
+batch step found (their times, and the cadence they come at) and the job's start
+(slurmft.controller.goodput_pass gathers them). Pure: the store's rows in, figures out.
 """
 
 from __future__ import annotations

@@ -101,13 +101,14 @@ def test_an_outage_not_trained_past_waits_and_a_plain_script_gets_an_estimate(
         s.add_all(_steps("rw", range(1, 50), 1.0))
         s.add(Event(run_id="rw", kind=EventKind.HANG, node="n1", rank=1, occurred_at=_t(60),
                     message="rank 1 silent"))  # fmt: skip
-        # The plain script: a checkpoint file written at 40 s (found at 43 s), n3 lost at 70 s,
-        # the job requeued (waiting 9 s for Slurm), its ranks running again at 95 s.
-        written_ns = int(_t(40).timestamp() * 1e9)
-        s.add(Event(run_id="rp", kind=EventKind.CHECKPOINT, source="agent", occurred_at=_t(43),
-                    message="checkpoint epoch_2",
-                    details={"layout": "plain", "ordinal": written_ns,
-                             "label": "epoch_2"}))  # fmt: skip
+        # The plain script writes a checkpoint file every 20 s (at 20 and 40 s, each found a
+        # poll later); n3 is lost at 70 s; the job is requeued (waiting 9 s for Slurm), its
+        # ranks run again at 95 s, and its next file is written at 117 s: it was back at 97 s.
+        for written in (20, 40, 117):
+            s.add(Event(run_id="rp", kind=EventKind.CHECKPOINT, source="agent",
+                        occurred_at=_t(written + 3), message="checkpoint file",
+                        details={"layout": "file", "label": f"plain-{written}.pt",
+                                 "ordinal": int(_t(written).timestamp() * 1e9)}))  # fmt: skip
         s.add(Event(run_id="rp", kind=EventKind.NODE_LOST, node="n3", occurred_at=_t(70),
                     message="n3 lost"))  # fmt: skip
         s.add(Attempt(run_id="rp", number=2, slurm_job_id="9", submitted_at=_t(80),
@@ -120,10 +121,11 @@ def test_an_outage_not_trained_past_waits_and_a_plain_script_gets_an_estimate(
         hang = s.query(Event).filter_by(run_id="rw", kind=EventKind.HANG).one()
         assert hang.time_lost_s is None
         plain = s.query(Event).filter_by(run_id="rp", kind=EventKind.NODE_LOST).one()
-        # Back when its ranks ran again (95 s), the work since the checkpoint file redone.
+        # Back at 97 s (the next file, less the usual 20 s between files); the work since the
+        # file written at 40 s redone.
         assert plain.time_lost_estimate is True
         assert (plain.lost_replay_s, plain.lost_queue_wait_s) == (30, 9)
-        assert plain.lost_restart_s == pytest.approx(16)
-        assert plain.time_lost_s == pytest.approx(55)
+        assert plain.lost_restart_s == pytest.approx(18)
+        assert plain.time_lost_s == pytest.approx(57)
         (row,) = read_view(s, "run_effective_time", run_id="rp")
         assert row["estimate"] == 1
