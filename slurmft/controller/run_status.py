@@ -25,6 +25,7 @@ from slurmft.db.models import (
     RankHeartbeat,
     Run,
 )
+from slurmft.db.records import denied_nodes
 from slurmft.db.states import RunState
 
 # A rank heard from this close to the newest heartbeat of the run is part of its world now; one
@@ -87,17 +88,21 @@ def _checkpoint(session: Session, run_id: str, now: datetime) -> dict[str, Any] 
 
 def _spares_left(session: Session, run: Run, attempt: Attempt | None) -> int | None:
     """Nodes the job still holds beyond the N that train (the allocation the batch step
-    reported and the daemon checked); None before it has reported."""
+    reported and the daemon checked), less those taken out of the run (lost, cordoned); None
+    before it has reported."""
     if attempt is None:
         return None
-    held = session.scalar(
-        select(func.count()).where(
-            AllocationNode.attempt_id == attempt.id, AllocationNode.left_at.is_(None)
+    held = set(
+        session.scalars(
+            select(AllocationNode.node).where(
+                AllocationNode.attempt_id == attempt.id, AllocationNode.left_at.is_(None)
+            )
         )
     )
     if not held:
         return None
-    return max(int(held) - run.nodes, 0)
+    usable = held - denied_nodes(session, run_id=run.id)
+    return max(len(usable) - run.nodes, 0)
 
 
 def _effective(session: Session, run_id: str) -> dict[str, Any] | None:

@@ -41,11 +41,19 @@ class Entry:
     reporter: str = ""  # an event's source: the daemon, an agent, the batch step
 
     def absorbs(self, other: Entry, window: timedelta) -> bool:
+        """``other`` is the same thing told by another node or rank (a reporter already in the
+        group telling it again is news: the next checkpoint, the next restart)."""
         return (
             self.source == other.source == "event"
             and (self.kind, self.text, self.reporter) == (other.kind, other.text, other.reporter)
             and other.at - self.at <= window
+            and not set(other.reporters) & set(self.reporters)
         )
+
+    @property
+    def reporters(self) -> tuple[int | str, ...]:
+        """Who told it: its ranks, or its nodes for a node's report."""
+        return self.ranks or self.nodes
 
     def merged(self, other: Entry) -> Entry:
         return replace(

@@ -20,6 +20,7 @@ from slurmft.db.models import (
     ActionStatus,
     AllocationNode,
     Attempt,
+    DenylistEntry,
     Event,
     EventKind,
     NodeRole,
@@ -77,9 +78,8 @@ def test_status_says_where_the_run_is(
     assert status["effective"]["ratio"] == status["effective_ratio"] == 1.0  # nothing lost yet
     assert status["doing"] == "watching 5 ranks"
 
-    with database.session() as s:  # n2 left the job: no spare left
-        node = s.query(AllocationNode).filter_by(node="n2").one()
-        node.left_at = _at(310)
+    with database.session() as s:  # n3 is lost and kept out of the run: no spare left
+        s.add(DenylistEntry(node="n3", run_id="ra", reason="slurmft: node n3 lost"))
         s.add(Action(run_id="ra", kind=ActionKind.REQUEUE, reason="batch host n1 lost",
                      status=ActionStatus.PLANNED))  # fmt: skip
     status = _ops(database)["status"](ALICE, {"run_id": "ra"})
@@ -146,9 +146,10 @@ def _seed_story(database: Database, seed_run: Callable[..., None]) -> None:
             s.add(Event(run_id="rs", kind=EventKind.RESTART, source="agent", node=node,
                         occurred_at=_at(24 + i),
                         message="workers restarted (round 1 -> 2)"))  # fmt: skip
-        s.add(Event(run_id="rs", kind=EventKind.CHECKPOINT, source="agent", rank=0,
-                    message="checkpoint_saved", details={"step": 60},
-                    occurred_at=_at(90)))  # fmt: skip
+        for step, at in ((60, 90), (70, 100)):  # two checkpoints: two lines, not one "x2"
+            s.add(Event(run_id="rs", kind=EventKind.CHECKPOINT, source="agent", rank=0,
+                        message="checkpoint_saved", details={"step": step},
+                        occurred_at=_at(at)))  # fmt: skip
 
 
 def test_events_are_one_timeline_with_repeated_reports_counted_once(
@@ -162,6 +163,7 @@ def test_events_are_one_timeline_with_repeated_reports_counted_once(
         ("action", "denylist_add", 1, ("n2",)),
         ("event", "restart", 3, ("n1", "n3", "n4")),
         ("event", "checkpoint", 1, ()),
+        ("event", "checkpoint", 1, ()),
     ]
     assert told["entries"][1]["status"] == "done" and not told["truncated"]
 
@@ -173,7 +175,7 @@ def test_a_follower_gets_each_new_entry_once(
     events = _ops(database)["events"]
     first = events(0, {"run_id": "rs", "limit": 2})
     assert first["truncated"]  # the newest two of each: the first restart report left out
-    assert [e["kind"] for e in first["entries"]] == ["denylist_add", "restart", "checkpoint"]
+    assert [e["kind"] for e in first["entries"]] == ["denylist_add", "checkpoint", "checkpoint"]
     cursor = first["cursor"]
     assert events(0, {"run_id": "rs", "cursor": cursor})["entries"] == []
     with database.session() as s:
