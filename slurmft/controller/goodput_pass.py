@@ -25,21 +25,13 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from slurmft.core.goodput import Completion, Lost, completions, estimate, measure, never_back
+from slurmft.core.kinds import OUTAGE_KINDS
 from slurmft.db.models import Attempt, Event, EventKind, Run, StepTime
 from slurmft.db.states import RunState
 
 log = logging.getLogger(__name__)
 
 SAMPLE_RANKS = 8
-# Failures: what stops training. A straggler slows it (its cost is the report's, not an outage);
-# a preflight failure is a node that never trained.
-OUTAGE_KINDS = (
-    EventKind.RANK_FAILURE,
-    EventKind.NODE_LOST,
-    EventKind.GPU_FAULT,
-    EventKind.HANG,
-    EventKind.BATCH_HOST_DOWN,
-)
 # Earliest signs of an outage, besides its failure reports: a rank that saw its peer fail.
 SIGN_KINDS = (*OUTAGE_KINDS, EventKind.COLLECTIVE_ERROR)
 SIGN_LEAD = timedelta(seconds=60)  # how long before a failure's report a peer may have seen it

@@ -38,9 +38,10 @@ from sqlalchemy import func, select, text
 from sqlalchemy.orm import Session
 
 from slurmft import __version__
-from slurmft.controller.goodput_pass import OUTAGE_KINDS
+from slurmft.controller.goodput_pass import GIVE_UP_AFTER
+from slurmft.core.kinds import OUTAGE_KINDS
 from slurmft.db import Database, DatabaseError
-from slurmft.db.models import Action, ActionKind, ActionStatus, Event, EventKind, Run
+from slurmft.db.models import Action, ActionKind, ActionStatus, Event, EventKind, Run, utcnow
 from slurmft.db.states import RunState
 from slurmft.slurm.api import SlurmTimeout, SlurmUnreachable
 from slurmft.slurm.runner import CommandResult, Runner
@@ -361,8 +362,14 @@ def _goodput_families(session: Session) -> list[Metric]:
             Event.kind.in_(OUTAGE_KINDS)
         )
     ).one()
+    # Those the goodput pass still tries (older ones, and those from before it, stay unmeasured).
     unmeasured = session.scalar(
-        select(func.count()).where(Event.kind.in_(OUTAGE_KINDS), Event.time_lost_s.is_(None))
+        select(func.count()).where(
+            Event.kind.in_(OUTAGE_KINDS),
+            Event.time_lost_s.is_(None),
+            Event.foreign.is_not(True),
+            Event.occurred_at >= utcnow() - GIVE_UP_AFTER,
+        )
     )
     live = [f"'{state.value}'" for state in RunState if not state.is_terminal]
     wall, lowest = session.execute(
@@ -386,7 +393,8 @@ def _goodput_families(session: Session) -> list[Metric]:
     )
     walls.add_metric([], float(wall or 0.0))
     waiting = GaugeMetricFamily(
-        "slurmft_outages_unmeasured", "Outages whose cost is not measured yet (not back past)."
+        "slurmft_outages_unmeasured",
+        "Outages of the last two days whose cost is not measured yet (not back past them).",
     )
     waiting.add_metric([], float(unmeasured or 0))
     worst = GaugeMetricFamily(

@@ -61,6 +61,18 @@ class EventKind(enum.StrEnum):
     ALLOCATION = "allocation"
 
 
+# The failures that stop training (slurmft.core.goodput measures what each cost): a straggler
+# slows it, a preflight failure is a node that never trained, and an agent stopped by slurmft
+# itself is neither.
+OUTAGE_KINDS = (
+    EventKind.RANK_FAILURE,
+    EventKind.NODE_LOST,
+    EventKind.GPU_FAULT,
+    EventKind.HANG,
+    EventKind.BATCH_HOST_DOWN,
+)
+
+
 class ActionKind(enum.StrEnum):
     """Something the daemon did (or planned, or was not allowed to do), always with a reason."""
 

@@ -18,16 +18,10 @@ from typing import Any
 from sqlalchemy import ColumnElement, extract, func, select
 from sqlalchemy.orm import Session
 
+from slurmft.core.kinds import OUTAGE_KINDS
 from slurmft.db.models import Action, ActionKind, Event, EventKind, Run, StepTime
 
 MAX_BINS = 240
-OUTAGE_KINDS = (
-    EventKind.RANK_FAILURE,
-    EventKind.NODE_LOST,
-    EventKind.GPU_FAULT,
-    EventKind.HANG,
-    EventKind.BATCH_HOST_DOWN,
-)
 CAUSES = ("detection", "queue_wait", "restart", "replay")  # in the order they happen
 
 
