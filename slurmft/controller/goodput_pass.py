@@ -73,11 +73,11 @@ def _unmeasured(session: Session, now: datetime) -> dict[str, datetime]:
 
 def _steps(session: Session, run_id: str, since: datetime) -> list[Completion]:
     rows = session.execute(
-        select(StepTime.step, StepTime.ended_at).where(
+        select(StepTime.step, StepTime.ended_at, StepTime.rank).where(
             StepTime.run_id == run_id, StepTime.rank < SAMPLE_RANKS, StepTime.ended_at >= since
         )
     ).all()
-    return completions((step, at) for step, at in rows)
+    return completions((step, at, rank) for step, at, rank in rows)
 
 
 def _queue_wait_s(attempts: Sequence[Attempt], start: datetime, end: datetime | None) -> float:

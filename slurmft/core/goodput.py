@@ -36,6 +36,7 @@ MEDIAN_OF = 50  # completions before the failure the median step is taken over
 class Completion:
     at: datetime
     step: int
+    ranks: int = 1  # how many (of the ranks read) ended this run of the step: its world size
 
 
 @dataclass(frozen=True)
@@ -56,21 +57,23 @@ class Lost:
         return self.detection_s + self.restart_s + self.queue_wait_s + self.replay_s
 
 
-def completions(rows: Iterable[tuple[int, datetime]]) -> list[Completion]:
-    """Each run of each step, once, at its earliest end across ranks, in time order; ``rows``:
-    (step, ended_at) of any ranks."""
-    by_step: dict[int, list[datetime]] = {}
-    for step, at in rows:
-        by_step.setdefault(step, []).append(at)
+def completions(rows: Iterable[tuple[int, datetime, int]]) -> list[Completion]:
+    """Each run of each step, once, at its earliest end across ranks, with how many ranks
+    ended it, in time order; ``rows``: (step, ended_at, rank) of any ranks."""
+    by_step: dict[int, list[tuple[datetime, int]]] = {}
+    for step, at, rank in rows:
+        by_step.setdefault(step, []).append((at, rank))
     found = []
     gap = timedelta(seconds=SAME_STEP_S)
-    for step, times in by_step.items():
-        times.sort()
-        start = times[0]
-        found.append(Completion(start, step))
-        for previous, at in itertools.pairwise(times):
-            if at - previous > gap:
-                found.append(Completion(at, step))
+    for step, ends in by_step.items():
+        ends.sort()
+        run = [ends[0]]
+        for previous, end in itertools.pairwise(ends):
+            if end[0] - previous[0] > gap:
+                found.append(Completion(run[0][0], step, len({r for _, r in run})))
+                run = []
+            run.append(end)
+        found.append(Completion(run[0][0], step, len({r for _, r in run})))
     return sorted(found, key=lambda c: (c.at, c.step))
 
 
@@ -96,7 +99,10 @@ def measure(
     if not before:
         return None
     last = before[-1]
-    after = [c for c in steps if c.at > detected_at]
+    # Back means at full world size: as many ranks as ended the steps before (a rank on the
+    # lost node may not have reported S itself).
+    full = max(c.ranks for c in before[-10:])
+    after = [c for c in steps if c.at > detected_at and c.ranks >= full]
     beyond = next((c for c in after if c.step > last.step), None)
     median = median_step_s(before)
     if beyond is None or median is None:

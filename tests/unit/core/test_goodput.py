@@ -15,11 +15,11 @@ def _t(seconds: float) -> datetime:
     return T0 + timedelta(seconds=seconds)
 
 
-def _rows(steps: range, start_s: float, ranks: int = 4) -> list[tuple[int, datetime]]:
+def _rows(steps: range, start_s: float, ranks: int = 4) -> list[tuple[int, datetime, int]]:
     """Every rank ending each step of ``steps``, one a second from ``start_s`` (with the few
     milliseconds the ranks' clocks and reports differ by)."""
     return [
-        (step, _t(start_s + i + rank * 0.003))
+        (step, _t(start_s + i + rank * 0.003), rank)
         for i, step in enumerate(steps)
         for rank in range(ranks)
     ]
@@ -32,7 +32,7 @@ STEPS = completions([*_rows(range(1, 101), 1.0), *_rows(range(91, 120), 125.0)])
 
 def test_each_run_of_a_step_is_one_completion_at_its_earliest_end() -> None:
     assert len(STEPS) == 100 + 29  # steps 91-100 ran twice
-    assert STEPS[0] == Completion(_t(1), 1)
+    assert STEPS[0] == Completion(_t(1), 1, ranks=4)
     replays = [c for c in STEPS if c.step == 95]
     assert [c.at for c in replays] == [_t(95), _t(129)]
 
@@ -51,6 +51,16 @@ def test_a_failure_costs_detection_restart_queue_wait_and_replay(
     assert lost.restart_s == pytest.approx(restart_s, abs=0.01)
     assert (lost.last_step, lost.resumed_from, lost.back_at) == (100, 90, _t(125))
     assert not lost.estimate
+
+
+def test_training_is_back_only_at_full_world_size() -> None:
+    """Back from step 90 at 125 s on 3 of its 4 ranks for ten steps, then on all 4 again from
+    step 91 at 140 s: the steps at the smaller world size are lost time too."""
+    degraded = [*_rows(range(1, 101), 1.0), *_rows(range(91, 101), 125.0, ranks=3),
+                *_rows(range(91, 120), 140.0)]  # fmt: skip
+    lost = measure(completions(degraded), _t(105))
+    assert lost is not None and lost.back_at == _t(140)
+    assert lost.total_s == pytest.approx(150 - 100 - 1, abs=0.01)
 
 
 def test_a_failure_not_trained_past_yet_is_not_measured() -> None:
