@@ -27,6 +27,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from types import FrameType
 
@@ -159,6 +160,7 @@ class Daemon:
         self._ingest: IngestServer | None = None
         self._rpc: RpcServer | None = None
         self._ops: OpsServer | None = None
+        self.listening_since: datetime | None = None  # set when the ingest endpoint opens
 
     # --- the periodic jobs ------------------------------------------------------------------
 
@@ -175,6 +177,7 @@ class Daemon:
                     steps=self.step_windows,
                     lost=self.lost_sightings,
                 )
+            view = replace(view, listening_since=self.listening_since)
             # Before this pass plans new ones: a worker restart nobody fetched in time is void.
             self.executor.expire_commands(self.clock(), self._restart_ttl)
         except DatabaseUnavailable as exc:
@@ -305,6 +308,8 @@ class Daemon:
         tune_collector()
         daemon = self.settings.daemon
         host, port = _host_port(daemon.ingest_listen, "daemon.ingest_listen")
+        # Agents are heard from now on: silences before this are the daemon's own absence.
+        self.listening_since = self.clock()
         self._ingest = IngestServer(
             self.database,
             host,

@@ -418,7 +418,9 @@ def _confirmed(
     if since is None or (view.now - since).total_seconds() >= policy.confirm_s:
         return True
     heard = max((a.last_report_at for a in run.agents if a.node == node), default=None)
-    return heard is not None and (view.now - heard).total_seconds() >= policy.confirm_s
+    if heard is None:
+        return False
+    return (view.now - view.heard(heard)).total_seconds() >= policy.confirm_s
 
 
 def _lost_since(run: RunView, job: JobView, node: str) -> datetime | None:
@@ -523,7 +525,7 @@ def _unresponsive_nodes(
     drain: past them a human is told instead, and the node returns to service once Slurm has
     killed the job's processes on it."""
     findings = find_unresponsive(
-        {agent.node: agent.last_report_at for agent in run.agents},
+        {agent.node: view.heard(agent.last_report_at) for agent in run.agents},
         now=view.now,
         silent_after_s=policy.unresponsive_after_s,
     )
@@ -551,8 +553,17 @@ def _unresponsive_nodes(
     return actions, removed
 
 
+# Past this after the daemon's start, every rank's receipt is later than the start anyway (or the
+# rank is silent far longer than any threshold): the beats need no rewriting.
+_RECENT_START = timedelta(hours=1)
+
+
 def _hangs(run: RunView, view: ClusterView, policy: Policy, removed: set[str]) -> list[Action]:
-    findings, silence = find_hangs(run.beats, now=view.now, silent_after_s=policy.silent_after_s)
+    beats = run.beats
+    if view.listening_since is not None and view.now - view.listening_since < _RECENT_START:
+        # Just started: a rank last heard before the daemon's start is silent since then only.
+        beats = tuple(b._replace(received_at=view.heard(b.received_at)) for b in beats)
+    findings, silence = find_hangs(beats, now=view.now, silent_after_s=policy.silent_after_s)
     if silence is not None:
         reason = (
             f"slurmft: all {silence.ranks} ranks silent for {silence.seconds:.0f}s: "

@@ -213,11 +213,16 @@ def _store(first: Event, counted_with: Sequence[Event], lost: Lost) -> None:
                     "back_at": lost.back_at.isoformat() if lost.back_at else None},
     }  # fmt: skip
     for other in counted_with:
-        other.time_lost_s = 0.0
-        other.lost_detection_s = other.lost_restart_s = 0.0
-        other.lost_queue_wait_s = other.lost_replay_s = 0.0
-        other.time_lost_estimate = lost.estimate
-        other.details = {**(other.details or {}), "time_lost_counted_on": first.id}
+        _store_counted(other, first)
+
+
+def _store_counted(event: Event, head: Event) -> None:
+    """Another report of ``head``'s outage: its cost is on the head."""
+    event.time_lost_s = 0.0
+    event.lost_detection_s = event.lost_restart_s = 0.0
+    event.lost_queue_wait_s = event.lost_replay_s = 0.0
+    event.time_lost_estimate = head.time_lost_estimate
+    event.details = {**(event.details or {}), "time_lost_counted_on": head.id}
 
 
 def _step_span(session: Session, run: Run) -> None:
@@ -239,6 +244,31 @@ def _step_span(session: Session, run: Run) -> None:
         run.last_step_at = end
 
 
+def _late_reports(session: Session, run_id: str, failures: Sequence[Event]) -> list[Event]:
+    """The reports not part of an outage measured already. One that arrived after its outage
+    was measured (an agent's report of the hang it ended, sent with its stacks) falls inside
+    that outage's span, from S to when training was back: it gets 0, counted with it."""
+    heads = session.scalars(
+        select(Event).where(
+            Event.run_id == run_id, Event.kind.in_(OUTAGE_KINDS), Event.time_lost_s > 0
+        )
+    ).all()
+    spans = []
+    for head in heads:
+        back = (head.details or {}).get("goodput", {}).get("back_at")
+        if isinstance(back, str):
+            start = head.occurred_at - timedelta(seconds=head.lost_detection_s or 0.0)
+            spans.append((head, start, datetime.fromisoformat(back)))
+    left = []
+    for event in failures:
+        within = next((h for h, a, b in spans if a <= event.occurred_at <= b), None)
+        if within is not None and event.kind in OUTAGE_KINDS and event.time_lost_s is None:
+            _store_counted(event, within)
+        else:
+            left.append(event)
+    return left
+
+
 def measure_run(session: Session, run: Run, since: datetime) -> list[Measured]:
     """Measure the run's outages from ``since`` on; returns those measured now."""
     steps = _steps(session, run.id, since - LOOK_BACK)
@@ -258,6 +288,7 @@ def measure_run(session: Session, run: Run, since: datetime) -> list[Measured]:
     attempts = session.scalars(
         select(Attempt).where(Attempt.run_id == run.id).order_by(Attempt.number)
     ).all()
+    failures = _late_reports(session, run.id, failures)
     stored: list[Measured] = []
     i = 0
     while i < len(failures):

@@ -138,6 +138,16 @@ class ClusterView:
     xid_history: tuple[XidOccurrence, ...] = ()
     # Straggler windows flagged per node so far (this tick's not included).
     straggler_windows: dict[str, int] = field(default_factory=dict)
+    # Since when the daemon has been listening to agents (its start): a silence is counted from
+    # then at the earliest. While it was down every agent was silent to it, and each one's
+    # buffered reports arrive when its own retry comes round, not all at once.
+    listening_since: datetime | None = None
+
+    def heard(self, at: datetime) -> datetime:
+        """When something last heard from at ``at`` counts as heard from, for its silence."""
+        if self.listening_since is None:
+            return at
+        return max(at, self.listening_since)
 
 
 # --- actions --------------------------------------------------------------------------------

@@ -74,8 +74,13 @@ def test_an_outage_is_measured_once_training_is_back_and_the_views_add_it_up(
         run = s.get(Run, "rg")
         assert run is not None and run.first_step_at == _t(0)
         run.state, run.ended_at = RunState.COMPLETED, _t(180)
+    with database.session() as s:  # the agent's word on the hang it ended, sent late
+        s.add(Event(run_id="rg", kind=EventKind.HANG, node="n1", rank=0, source="agent",
+                    occurred_at=_t(118), message="hung workers killed"))  # fmt: skip
     with database.session() as s:
-        assert measure_failures(s, _t(300)) == []  # measured already
+        assert measure_failures(s, _t(300)) == []  # measured already: no second outage
+        late = s.query(Event).filter_by(run_id="rg", kind=EventKind.HANG).one()
+        assert (late.time_lost_s, late.details["time_lost_counted_on"]) == (0, lost.id)
         (row,) = read_view(s, "run_effective_time", run_id="rg")
         nodes = {r["node"]: r for r in read_view(s, "time_lost_by_node")}
         classes = {(r["fault_class"], r["kind"]): r for r in read_view(s, "time_lost_by_class")}
@@ -84,7 +89,7 @@ def test_an_outage_is_measured_once_training_is_back_and_the_views_add_it_up(
     assert row["wall_s"] == pytest.approx(174, abs=0.05)
     assert row["lost_s"] == pytest.approx(34, abs=0.05)
     assert row["effective_ratio"] == pytest.approx(140 / 174, abs=0.001)
-    assert (row["failures"], row["unmeasured"], row["estimate"]) == (2, 0, 0)
+    assert (row["failures"], row["unmeasured"], row["estimate"]) == (3, 0, 0)  # reports
     assert row["initial_wait_s"] == pytest.approx(30, abs=0.01)
     assert row["startup_s"] == pytest.approx(10, abs=0.01)
     assert nodes["n2"]["lost_s"] == pytest.approx(34, abs=0.05) and nodes["n2"]["failures"] == 2

@@ -720,3 +720,21 @@ def test_a_run_whose_view_cannot_be_decided_is_recorded_and_the_others_are_decid
     assert ("ExcludeNode", "n2") in _summary([a for a in actions if a.run_id == "rb"])
     again = replace(broken, reported=frozenset({error.key}))
     assert [a.run_id for a in decide(_view(again, lost), POLICY)].count("ra") == 0
+
+
+@pytest.mark.parametrize(
+    ("started_s_ago", "expected"),
+    [
+        (20.0, []),  # silent 90 s, but the daemon has listened for 20 s only: nothing yet
+        (70.0, UNRESPONSIVE),  # silent for longer than 60 s while the daemon listened
+    ],
+)
+def test_silence_is_counted_from_the_daemons_start_at_the_earliest(
+    started_s_ago: float, expected: list[tuple[str, str]]
+) -> None:
+    """After a restart each agent resends what it buffered when its own retry comes round: one
+    that comes late was silent to a daemon that was not there, not unresponsive. The same for
+    a rank's heartbeats (FROZEN_NODE's rank 2 last heard 90 s ago)."""
+    assert _summary(decide(_view(_run(**FROZEN_NODE)), POLICY)) == UNRESPONSIVE  # as before
+    view = _view(_run(**FROZEN_NODE), listening_since=NOW - timedelta(seconds=started_s_ago))
+    assert _summary(decide(view, POLICY)) == expected
