@@ -149,11 +149,27 @@ def _doing(session: Session, run: Run, attempt: Attempt | None, progress: Progre
     return f"watching {progress.world_size} ranks"
 
 
+@dataclass(frozen=True)
+class _Read:
+    """What both `summary` and `status` read from the store, read once."""
+
+    attempt: Attempt | None
+    progress: Progress
+    effective: dict[str, Any] | None
+
+    @classmethod
+    def of(cls, session: Session, run: Run) -> _Read:
+        return cls(latest_attempt(session, run.id), _progress(session, run.id),
+                   _effective(session, run.id))  # fmt: skip
+
+
 def summary(session: Session, run: Run, now: datetime, restart_cap: int) -> dict[str, Any]:
     """The fields of `slurmft runs` (and the top of `status`)."""
-    attempt = latest_attempt(session, run.id)
-    progress = _progress(session, run.id)
-    effective = _effective(session, run.id)
+    return _summary(session, run, restart_cap, _Read.of(session, run))
+
+
+def _summary(session: Session, run: Run, restart_cap: int, read: _Read) -> dict[str, Any]:
+    attempt, progress, effective = read.attempt, read.progress, read.effective
     return {
         "run_id": run.id,
         "name": run.name,
@@ -179,12 +195,12 @@ def summary(session: Session, run: Run, now: datetime, restart_cap: int) -> dict
 
 def status(session: Session, run: Run, now: datetime, restart_cap: int) -> dict[str, Any]:
     """`slurmft status RUN`: the summary and what `runs` leaves out."""
-    attempt = latest_attempt(session, run.id)
-    progress = _progress(session, run.id)
+    read = _Read.of(session, run)
+    heartbeat_at = read.progress.heartbeat_at
     return {
-        **summary(session, run, now, restart_cap),
-        "last_heartbeat_at": progress.heartbeat_at.isoformat() if progress.heartbeat_at else None,
+        **_summary(session, run, restart_cap, read),
+        "last_heartbeat_at": heartbeat_at.isoformat() if heartbeat_at else None,
         "checkpoint": _checkpoint(session, run.id, now),
-        "effective": _effective(session, run.id),
-        "doing": _doing(session, run, attempt, progress),
+        "effective": read.effective,
+        "doing": _doing(session, run, read.attempt, read.progress),
     }
