@@ -26,7 +26,7 @@ import msgspec
 from slurmft.agent.channel import RankChannelServer, RendezvousRound
 from slurmft.agent.clock import measure_skew
 from slurmft.agent.command import TorchrunSpec, launcher_argv, torchrun_env
-from slurmft.agent.evidence import EVENT_TEXT_LIMIT, dump_stacks, ensure_dir
+from slurmft.agent.evidence import EVENT_TEXT_LIMIT, dump_stacks, ensure_dir, is_stopped
 from slurmft.agent.exits import AgentExit
 from slurmft.agent.probe import NoGpuProbe, Probe
 from slurmft.agent.procs import is_alive, kill_tree
@@ -359,8 +359,9 @@ class NodeAgent:
                 continue
             if isinstance(record, RankHeartbeat):
                 if record.pid in self.state.killed_pids:
-                    # A stopped worker continued for its stack dump may beat once before the
-                    # kill: forwarded, it would look alive while its peers went quiet.
+                    # A killed worker's last beats may still be in the channel (a stopped one
+                    # beats during its stack dump): forwarded, it would look alive while its
+                    # peers went quiet.
                     continue
                 self._saw_heartbeat(record)
             elif isinstance(record, AgentEvent):
@@ -437,6 +438,8 @@ class NodeAgent:
             hung, why = alive, f"controller: {requested}"
         else:
             return
+        # A stopped worker exits after its dump: it is one of the killed, overdue or not yet.
+        hung += [w for w in alive if w not in hung and is_stopped(w.pid)]
         dumps = dump_stacks(
             {w.rank: w.pid for w in alive},
             self.settings.stacks_dir,

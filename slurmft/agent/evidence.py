@@ -4,11 +4,16 @@ The training library installs a faulthandler dump on SIGUSR2 (slurmft.train.stac
 from C inside the signal handler, so it works while the main thread is stuck in a collective.
 The agent signals each worker, waits until its stack file stops growing, and keeps the text.
 
-A stopped worker (SIGSTOP, a debugger, a frozen cgroup) cannot run any handler: the dump signal
-stays pending until the process is continued. Such a worker gets SIGCONT right after the dump
-signal: the kernel delivers the pending SIGUSR2 as the process resumes, before its threads go on
-with their own code, so the stacks show where it was stopped. (SIGCONT first would let it run
-on before the dump.) It is killed right after the dump anyway.
+A stopped worker (SIGSTOP, a frozen cgroup) cannot run any handler: a signal stays pending until
+the process is continued. Continued to dump, it would train on until the kill that follows, and
+a step it ended after its hang was declared would be lost to the restart all the same (seen: a
+frozen rank ended one more step in the half second of the dump, and the run's step log showed
+two outages for one hang). So such a worker gets the dump-and-exit signal at its main thread
+(where training runs), then SIGCONT: the kernel delivers the pending signal as that thread
+resumes, before it goes on with its own code, so the stacks show where it was stopped, and the
+handler ends the process once they are written. Sent to the process instead, the signal goes to
+whichever thread takes it first, and the main thread may run on meanwhile (seen in one try of
+four). SIGCONT first would let it run on before the dump.
 """
 
 from __future__ import annotations
@@ -19,9 +24,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from slurmft.agent.procs import signal_pids
+from slurmft.agent.procs import signal_main_threads, signal_pids
 from slurmft.config import AgentSection
-from slurmft.train.stacks import DEFAULT_SIGNAL, stack_file_path
+from slurmft.train.stacks import DEFAULT_SIGNAL, DUMP_AND_EXIT_SIGNAL, stack_file_path
 
 # How much of each dump goes into the event; the whole file stays in the stacks directory.
 EVENT_TEXT_LIMIT = 8_000
@@ -48,13 +53,16 @@ def dump_stacks(
     wait_s: float = AgentSection.stack_dump_wait_s,
     settle_s: float = 0.2,
 ) -> list[StackDump]:
-    """Ask every worker for its stacks; returns within about `wait_s`."""
+    """Ask every worker for its stacks; returns within about `wait_s`. A stopped worker exits
+    once its stacks are written (see the module's docstring)."""
     paths = {rank: stack_file_path(rank, pid, stacks_dir) for rank, pid in pids_by_rank.items()}
     before = {rank: _size(path) for rank, path in paths.items()}
     pids = list(pids_by_rank.values())
     stopped = [pid for pid in pids if is_stopped(pid)]
-    signal_pids(pids, DEFAULT_SIGNAL)
-    # The dump signal first, then continue (see the module's docstring).
+    signal_pids([pid for pid in pids if pid not in stopped], DEFAULT_SIGNAL)
+    # To the main thread, where training runs: it takes the signal the moment it resumes.
+    signal_main_threads(stopped, DUMP_AND_EXIT_SIGNAL)
+    # The dump signal first, then continue.
     signal_pids(stopped, signal.SIGCONT)
     deadline = time.monotonic() + wait_s
     last = dict(before)

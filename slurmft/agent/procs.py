@@ -4,9 +4,13 @@ killing torchrun's process group misses the workers; walking the parent links fi
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import signal
+from errno import EPERM, ESRCH
 from pathlib import Path
+
+_libc = ctypes.CDLL(None, use_errno=True)
 
 
 def parent_pids() -> dict[int, int]:
@@ -43,6 +47,15 @@ def signal_pids(pids: list[int], signum: int) -> None:
     for pid in pids:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(pid, signum)
+
+
+def signal_main_threads(pids: list[int], signum: int) -> None:
+    """Signal each process's main thread itself (tgkill), not the process: a signal sent to the
+    process goes to whichever of its threads takes it first, and the others go on meanwhile."""
+    for pid in pids:
+        # glibc's tgkill(tgid, tid, sig); the main thread's id is the process's.
+        if _libc.tgkill(pid, pid, signum) != 0 and ctypes.get_errno() not in (ESRCH, EPERM):
+            raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
 
 
 def kill_tree(pid: int, signum: int = signal.SIGKILL) -> list[int]:

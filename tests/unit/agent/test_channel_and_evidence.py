@@ -17,6 +17,7 @@ from slurmft.agent.channel import RankChannelServer, RendezvousRound
 from slurmft.agent.evidence import dump_stacks, is_stopped
 from slurmft.protocol import AgentEvent, RankHeartbeat, RankStepTime
 from slurmft.train.report import ReportChannel
+from slurmft.train.stacks import DUMP_AND_EXIT_SIGNAL
 
 IDENTITY = {
     "rank": 4,
@@ -81,39 +82,53 @@ def test_rounds_from_torchrun_and_a_workers_round_on_its_reports() -> None:
 
 
 STUCK = """
-import faulthandler, signal, sys, time
+import os, sys, threading, time
 from pathlib import Path
-stream = open(sys.argv[1], "a", buffering=1)
-faulthandler.register(signal.SIGUSR2, file=stream, all_threads=True)
+from slurmft.train.stacks import install_stack_dump
+install_stack_dump(3, directory=Path(sys.argv[1]))
 def stuck_in_a_collective():
     print("ready", flush=True)
-    time.sleep(60)
+    while True:  # each pass says it ran: a stopped process continued for its dump must not
+        time.sleep(0.001)
+        os.write(1, b".")
+threading.Thread(target=lambda: time.sleep(60), daemon=True).start()
 stuck_in_a_collective()
 """
+
+
+def _drain(stream: int) -> bytes:
+    os.set_blocking(stream, False)
+    try:
+        return os.read(stream, 1 << 20)
+    except BlockingIOError:
+        return b""
 
 
 @pytest.mark.serial  # bounds a wait in seconds
 @pytest.mark.parametrize("stopped", [False, True], ids=["stuck", "stopped"])
 def test_stacks_of_a_stuck_process_are_collected(tmp_path: Path, stopped: bool) -> None:
-    """A stopped process (SIGSTOP) cannot run its handler until continued: it dumps too."""
-    path = tmp_path / "stacks-rank3-pid{}.txt"
-    # The file name carries the pid: the child opens a file, which is renamed once its pid is known.
-    child = subprocess.Popen(
-        [sys.executable, "-c", STUCK, str(tmp_path / "pending")], stdout=subprocess.PIPE, text=True
-    )
+    """A stopped process (SIGSTOP) cannot run its handler until continued: it dumps too, and
+    exits by the dump-and-exit signal without running on (else it could end one more step after
+    its hang was declared)."""
+    child = subprocess.Popen([sys.executable, "-c", STUCK, str(tmp_path)], stdout=subprocess.PIPE)
     try:
-        assert child.stdout is not None and child.stdout.readline().strip() == "ready"
-        (tmp_path / "pending").rename(Path(str(path).format(child.pid)))
+        assert child.stdout is not None and child.stdout.readline().strip() == b"ready"
+        stdout = child.stdout.fileno()
         if stopped:
             os.kill(child.pid, signal.SIGSTOP)
             wait_for(lambda: is_stopped(child.pid), 10, "the child to stop", interval_s=0.01)
-        # The child keeps writing to its open descriptor: the renamed file is its stack file.
+            _drain(stdout)
         started = time.monotonic()
         (dump,) = dump_stacks({3: child.pid}, tmp_path, wait_s=5)
         assert time.monotonic() - started < 5
         assert dump.rank == 3 and dump.pid == child.pid
-        assert "stuck_in_a_collective" in dump.text
-        assert not is_stopped(child.pid)
+        assert "stuck_in_a_collective" in dump.text and dump.text.count("Thread 0x") == 1
+        if stopped:
+            assert child.wait(timeout=10) == -DUMP_AND_EXIT_SIGNAL
+            assert _drain(stdout) == b""  # not one pass of its loop after the stop
+        else:
+            time.sleep(0.05)
+            assert child.poll() is None and _drain(stdout)  # dumped, and still running
     finally:
         child.kill()
         child.wait()
