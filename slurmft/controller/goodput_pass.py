@@ -159,8 +159,8 @@ def _plain_estimate(session: Session, run: Run, detected: datetime,
     """A script without steps: when it was back is read from its checkpoint files' cadence
     (the first file after the failure, less the usual time between two files: it resumed that
     long before), else from its ranks' relaunch; the work since its newest file before the
-    failure is done again. None until a file after the failure shows it back (or the run
-    ended)."""
+    failure is done again. None until a file after the failure shows it back and two files on
+    one side of it show the cadence (or the run ended)."""
     failed = _plain_failed_at(session, run.id, detected)
     relaunched = _plain_back_at(session, run.id, failed, attempts)
     if relaunched is None:
@@ -170,8 +170,11 @@ def _plain_estimate(session: Session, run: Run, detected: datetime,
     after = [t for t in files if t > relaunched]
     cadence = before[-4:] if len(before) >= 2 else after[:4]
     gaps = [(b - a).total_seconds() for a, b in itertools.pairwise(cadence)]
-    if not after and not run.state.is_terminal:
-        return None  # back, but how far along is not seen yet
+    if not run.state.is_terminal and (not after or not gaps):
+        # Back, but how far along is not seen yet, or the cadence is not (one file before the
+        # failure and one after: the gap between them spans the outage). Taken as back at its
+        # relaunch, a failure late in an interval was measured a third short.
+        return None
     back = relaunched
     if after and gaps:
         back = max(after[0] - timedelta(seconds=statistics.median(gaps)), relaunched)

@@ -109,11 +109,7 @@ def test_an_outage_not_trained_past_waits_and_a_plain_script_gets_an_estimate(
         # The plain script writes a checkpoint file every 20 s (at 20 and 40 s, each found a
         # poll later); n3 is lost at 70 s; the job is requeued (waiting 9 s for Slurm), its
         # ranks run again at 95 s, and its next file is written at 117 s: it was back at 97 s.
-        for written in (20, 40, 117):
-            s.add(Event(run_id="rp", kind=EventKind.CHECKPOINT, source="agent",
-                        occurred_at=_t(written + 3), message="checkpoint file",
-                        details={"layout": "file", "label": f"plain-{written}.pt",
-                                 "ordinal": int(_t(written).timestamp() * 1e9)}))  # fmt: skip
+        s.add_all([_file_event("rp", written) for written in (20, 40, 117)])
         s.add(Event(run_id="rp", kind=EventKind.NODE_LOST, node="n3", occurred_at=_t(70),
                     message="n3 lost"))  # fmt: skip
         s.add(Attempt(run_id="rp", number=2, slurm_job_id="9", submitted_at=_t(80),
@@ -134,3 +130,36 @@ def test_an_outage_not_trained_past_waits_and_a_plain_script_gets_an_estimate(
         assert plain.time_lost_s == pytest.approx(57)
         (row,) = read_view(s, "run_effective_time", run_id="rp")
         assert row["estimate"] == 1
+
+
+def _file_event(run_id: str, written_s: float) -> Event:
+    """A checkpoint file written at ``written_s``, found by the batch step's poll 3 s later."""
+    return Event(run_id=run_id, kind=EventKind.CHECKPOINT, source="agent",
+                 occurred_at=_t(written_s + 3), message="checkpoint file",
+                 details={"layout": "file", "label": f"plain-{written_s}.pt",
+                          "ordinal": int(_t(written_s).timestamp() * 1e9)})  # fmt: skip
+
+
+def test_a_plain_scripts_estimate_waits_for_the_cadence_of_its_files(
+    database: Database, seed_run: Callable[..., None]
+) -> None:
+    """One file before the failure and one after: the gap between them spans the outage, so the
+    cadence is not known until a second file after it (seen on the local cluster: measured at
+    once, a failure late in an interval was put at 10.5 s, its step log said 15.9 s)."""
+    seed_run(database, "rc", job_id="10", started_at=_t(0))
+    with database.session() as s:
+        # A file every 10 s from 20 s on; n2 lost at 38 s; its peers' ranks run again at 39 s,
+        # and the files go on at 52, 62 s: it was back at 42 s.
+        s.add_all([_file_event("rc", 20), _file_event("rc", 52)])
+        s.add(Event(run_id="rc", kind=EventKind.NODE_LOST, node="n2", occurred_at=_t(38),
+                    message="n2 lost"))  # fmt: skip
+        s.add(Event(run_id="rc", kind=EventKind.RESTART, source="agent", node="n1",
+                    occurred_at=_t(39), message="workers restarted"))  # fmt: skip
+    with database.session() as s:
+        assert measure_failures(s, _t(58)) == []
+        s.add(_file_event("rc", 62))
+    with database.session() as s:
+        (measured,) = measure_failures(s, _t(68))
+    assert measured.lost.estimate and measured.lost.back_at == _t(42)
+    assert measured.lost.restart_s == pytest.approx(4)  # 38 s to 42 s
+    assert measured.lost.replay_s == pytest.approx(18)  # the work since the file at 20 s

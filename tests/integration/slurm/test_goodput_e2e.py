@@ -24,10 +24,10 @@ import pytest
 from daemon_process import DaemonProcess, running_daemon
 from e2e_run import SubmittedRun, submit, worker_pid
 from local_cluster import Cluster
-from sqlalchemy import text
+from sqlalchemy import func, select, text
 from support.waiting import wait_for_value
 
-from slurmft.db.models import Event, EventKind
+from slurmft.db.models import Event, EventKind, Run, StepTime
 from slurmft.db.states import AttemptState, RunState
 
 # serial: the hang is found by a rank's silence, which load from other tests also causes.
@@ -124,6 +124,16 @@ def _recorded(run: SubmittedRun) -> list[Event]:
     return sorted((e for e in heads if e.time_lost_s), key=lambda e: e.occurred_at)
 
 
+def _span_behind_s(run: SubmittedRun) -> float:
+    """How far the run's stored last step time is behind its newest step time."""
+    with run.database.session() as s:
+        stored = s.get(Run, run.run_id)
+        newest = s.scalar(select(func.max(StepTime.ended_at)).where(StepTime.run_id == run.run_id))
+        assert stored is not None and newest is not None
+        last = stored.last_step_at
+        return (newest - last).total_seconds() if last is not None else float("inf")
+
+
 def test_three_failures_cost_what_the_step_log_says(
     cluster: Cluster, daemon: DaemonProcess, tmp_path: Path
 ) -> None:
@@ -162,6 +172,9 @@ def test_three_failures_cost_what_the_step_log_says(
         assert event.details["goodput"]["last_step"] == true.last_step
     assert recorded[2].lost_queue_wait_s is not None and recorded[2].lost_queue_wait_s >= 0
 
+    # The wall runs to the newest step end the goodput pass has read: within a pass of the end.
+    wait_for_value("the daemon to read the run's last step", lambda: _span_behind_s(run),
+                   lambda behind: behind == 0, timeout_s=30)  # fmt: skip
     true_ratio = 1 - sum(t.lost_s for t in truth) / wall
     with run.database.session() as s:
         row = s.execute(
