@@ -10,6 +10,7 @@ it gets SIGTERM, so that a spare takes this node's place.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import signal
@@ -84,6 +85,10 @@ class AgentSettings:
     @property
     def save_request_file(self) -> Path:
         return self.work_dir / "save-request"
+
+    @property
+    def worker_log_dir(self) -> Path:
+        return self.work_dir / "worker-logs"
 
 
 @dataclass
@@ -268,7 +273,8 @@ class NodeAgent:
             stacks_dir=str(settings.stacks_dir),
             save_request_file=str(settings.save_request_file),
         )
-        argv = launcher_argv(settings.spec, settings.python)
+        spec = dataclasses.replace(settings.spec, worker_log_dir=str(settings.worker_log_dir))
+        argv = launcher_argv(spec, settings.python)
         log.info("starting torchrun: %s", " ".join(argv))
         process = subprocess.Popen(argv, env=env)
         while True:

@@ -15,6 +15,9 @@ Every value here is a measured choice (docs/measured/torchrun.md):
   own poll.
 - `--max-restarts` high: every peer-node loss costs each survivor one torchrun restart, so
   torchrun's counter must not be the cap (slurmft counts restarts without progress).
+- `--tee=3` into a node-local folder, with a line prefix naming the global rank: the job's
+  output labels each worker line with its rank (slurmft.core.output), which `slurmft logs
+  --rank` selects by. Untee'd, workers write to the job's output directly, unlabelled.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from dataclasses import dataclass
 
 from slurmft.agent.rdzv_fix import TORCH_POLL_S
 from slurmft.config import AgentSection
+from slurmft.core.output import RANK_LABEL_TEMPLATE
 
 LAUNCHER_MODULE = "slurmft.agent.launcher"
 
@@ -62,6 +66,8 @@ STACKS_DIR_ENV = "SLURMFT_STACKS_DIR"
 SAVE_REQUEST_FILE_ENV = "SLURMFT_SAVE_REQUEST_FILE"
 # The run's checkpoint directory, for any script (the batch step exports it to the job's steps).
 CKPT_DIR_ENV = "SLURMFT_CKPT_DIR"
+# torchrun's prefix of each tee'd worker line (read by torchrun itself, not a flag).
+LINE_PREFIX_ENV = "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"
 
 FASTEST_RDZV_POLL_S = 0.1
 # Nodes whose agents, polling at torch's own 1 s, put the most polling the store is to carry.
@@ -95,6 +101,8 @@ class TorchrunSpec:
     # An agent beyond the first N: without the wait-list fix it must not join at all.
     spare_candidate: bool = False
     rdzv_poll_s: float | None = None  # None: default_rdzv_poll_s(nodes)
+    # Node-local folder torchrun tees worker output through (rank-labelled lines); "": none.
+    worker_log_dir: str = ""
 
     def __post_init__(self) -> None:
         if self.nodes < 1 or self.nproc_per_node < 1:
@@ -135,6 +143,8 @@ def torchrun_args(spec: TorchrunSpec) -> list[str]:
     ]
     if spec.local_addr:
         args.append(f"--local-addr={spec.local_addr}")
+    if spec.worker_log_dir:
+        args += ["--tee=3", f"--log-dir={spec.worker_log_dir}"]
     return [*args, *spec.script]
 
 
@@ -157,6 +167,7 @@ def torchrun_env(
     env[NCCL_DEBUG_FILE_ENV] = env[FLIGHT_RECORDER_FILE_ENV]
     env.update(base)
     env.update(REQUIRED_ENV)
+    env[LINE_PREFIX_ENV] = RANK_LABEL_TEMPLATE
     env[AGENT_SOCKET_ENV] = agent_socket
     env[STACKS_DIR_ENV] = stacks_dir
     env[SAVE_REQUEST_FILE_ENV] = save_request_file

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import functools
+import io
 import os
 import signal
 import sys
@@ -136,6 +137,11 @@ def main(argv: list[str] | None = None) -> int:
     if not rounds.observe(rdzv_fix.load_module(), warn=say):
         say("torch's rendezvous has no next_rendezvous to observe: restarts are grouped by time")
     patch_graceful_exit()
+    # torchrun copies the tee'd worker lines to its own stdout and stderr without flushing; to
+    # the job's output file they are block-buffered: seen minutes late, and lost with the node.
+    for stream in (sys.stdout, sys.stderr):
+        if isinstance(stream, io.TextIOWrapper):
+            stream.reconfigure(line_buffering=True)
     from torch.distributed.run import main as torchrun_main  # noqa: TID251
 
     torchrun_main(torchrun_args)

@@ -4,7 +4,8 @@ as the caller.
 The daemon says where each attempt's output is (the `--output` the job was submitted with);
 this command reads the file with the caller's own rights: the root daemon never reads a user's
 files for them. A requeued job writes every attempt into one file: each attempt's part begins at
-the batch step's line "batch step of job J, Slurm restart R".
+the batch step's line "batch step of job J, Slurm restart R". Each line a worker wrote carries its
+global rank (slurmft.core.output), which `--rank` selects by.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Annotated, Any
 import typer
 
 from slurmft.cli.runs_cmd import RUN, ask
+from slurmft.core.output import rank_line
 
 ATTEMPT_MARK = re.compile(r"batch step of job (\S+), Slurm restart (\d+), on ")
 FOLLOW_POLL_S = 0.5
@@ -89,6 +91,24 @@ def _follow(ctx: typer.Context, run_id: str, path: Path, offset: int) -> Iterato
         time.sleep(FOLLOW_POLL_S)
 
 
+def complete_lines(chunks: Iterator[str]) -> Iterator[str]:
+    """The lines in a stream of chunks, each once it is whole (the last, whole or not, at the
+    end): a chunk read while a line is being written ends mid-line."""
+    partial = ""
+    for chunk in chunks:
+        *whole, partial = (partial + chunk).split("\n")
+        yield from (line + "\n" for line in whole)
+    if partial:
+        yield partial
+
+
+def of_rank(lines: list[str], rank: int | None) -> list[str]:
+    """The lines rank ``rank`` wrote, without their label (all lines for None)."""
+    if rank is None:
+        return lines
+    return [found[1] for line in lines if (found := rank_line(line)) and found[0] == rank]
+
+
 def logs(  # noqa: PLR0917 (typer: one parameter per option)
     ctx: typer.Context,
     run_id: RUN,
@@ -103,13 +123,22 @@ def logs(  # noqa: PLR0917 (typer: one parameter per option)
         bool,
         typer.Option("--follow", "-f", help="Keep printing new output until the run ends."),
     ] = False,
+    rank: Annotated[
+        int | None,
+        typer.Option(
+            "--rank",
+            min=0,
+            help="Only what the worker of this global rank wrote (its label removed). After an "
+            "elastic restart a rank may be another node's.",
+        ),
+    ] = None,
     show_path: Annotated[
         bool, typer.Option("--path", help="Print where the output is, and nothing else.")
     ] = False,
 ) -> None:
     """The output of a run's job: its batch step, its agents (each line names its node) and
-    the training script, as Slurm wrote it (`<ckpt>/.slurmft/slurm-<job>.out` by default).
-    Read with your own rights."""
+    the training script (each line labelled `[rankN]: ` with its worker's global rank), as Slurm
+    wrote it (`<ckpt>/.slurmft/slurm-<job>.out` by default). Read with your own rights."""
     found = ask(ctx, "log_files", run_id=run_id)
     chosen = _pick(found["attempts"], attempt)
     path = Path(chosen["path"])
@@ -118,8 +147,10 @@ def logs(  # noqa: PLR0917 (typer: one parameter per option)
         return
     written = _read(path)
     latest = chosen is [a for a in found["attempts"] if a["path"]][-1]
+    if follow and latest:  # a line being written is printed whole, by the follow
+        written = written[: written.rfind(b"\n") + 1]
     text = written.decode(errors="replace").splitlines(keepends=True)
-    part = attempt_lines(text, chosen["job_id"], chosen["slurm_restarts"])
+    part = of_rank(attempt_lines(text, chosen["job_id"], chosen["slurm_restarts"]), rank)
     if lines is not None:
         part = part[-lines:]
     typer.echo("".join(part), nl=False)
@@ -127,8 +158,8 @@ def logs(  # noqa: PLR0917 (typer: one parameter per option)
         if not latest:
             raise typer.BadParameter("only the latest attempt grows", param_hint="--follow")
         try:
-            for chunk in _follow(ctx, run_id, path, len(written)):
-                typer.echo(chunk, nl=False)
+            for line in complete_lines(_follow(ctx, run_id, path, len(written))):
+                typer.echo("".join(of_rank([line], rank)), nl=False)
         except KeyboardInterrupt:
             return
 

@@ -7,7 +7,7 @@ from datetime import UTC, datetime
 import pytest
 import typer
 
-from slurmft.cli.logs_cmd import attempt_lines
+from slurmft.cli.logs_cmd import attempt_lines, complete_lines, of_rank
 from slurmft.cli.runs_cmd import entry_line, run_line, since_time
 
 NOW = datetime(2026, 12, 1, 12, 0, tzinfo=UTC)
@@ -67,3 +67,28 @@ def test_a_requeued_jobs_output_is_cut_at_each_attempts_batch_step() -> None:
     assert attempt_lines(lines, "7", 1) == lines[3:]
     assert attempt_lines(lines, "7", 2) == []  # not started yet
     assert attempt_lines(["no marks\n"], "7", 1) == ["no marks\n"]  # older output: whole
+
+
+def test_a_ranks_lines_without_their_label_and_nobody_elses() -> None:
+    lines = [
+        "2026-12-01 12:00:00,001 slurmft agent[n1] INFO starting torchrun\n",
+        "[rank0]: rank 0 of 12 training from step 0\n",
+        "[rank10]: rank 10 of 12 training from step 0\n",
+        "[rank1]: Traceback (most recent call last):\n",
+        "[rank1]: [rank0]: a label inside a line is the line's\n",
+        "rank1: not a label\n",
+    ]
+    assert of_rank(lines, 1) == [
+        "Traceback (most recent call last):\n",
+        "[rank0]: a label inside a line is the line's\n",
+    ]
+    assert of_rank(lines, 0) == ["rank 0 of 12 training from step 0\n"]
+    assert of_rank(lines, 2) == []
+    assert of_rank(lines, None) == lines
+
+
+def test_followed_output_comes_in_whole_lines() -> None:
+    chunks = iter(["[rank1]: ha", "lf a line\n[rank1]: two\n", "", "[rank1]: and a tail"])
+    assert list(complete_lines(chunks)) == [
+        "[rank1]: half a line\n", "[rank1]: two\n", "[rank1]: and a tail",
+    ]  # fmt: skip

@@ -420,6 +420,8 @@ class TinyRun:
     def run(self, heartbeat: Heartbeat) -> None:
         with heartbeat.phase(Phase.INIT):
             self.resume()
+        # One line per rank and start: torchrun labels it with the rank in the job's output.
+        print(f"rank {self.rank} of {self.world} training from step {self.step}", flush=True)
         heartbeat.enter(Phase.STEP, self.step)
         while self.step < self.args.steps:
             compute_times, save_requested = self.train_step()

@@ -83,5 +83,12 @@ def test_the_commands_tell_a_live_runs_story(
     assert restarts and max(e["count"] for e in restarts) >= 2, restarts
     output = logs_out.read_text()
     assert f"agent[{victim}]" in output and "training finished" in output
+    # Each worker line names its global rank; --rank keeps one rank's, without the label: the
+    # example's line at each start (the first, and the one after the node was lost).
+    assert "[rank1]: rank 1 of 3 training from step 0\n" in output
+    ranked = slurmft(daemon.env, "logs", run.run_id, "--rank", "1").splitlines()
+    starts = [line for line in ranked if line.startswith("rank 1 of 3 training from step ")]
+    assert len(starts) == 2 and starts[0].endswith("step 0"), ranked
+    assert not [line for line in ranked if "agent[" in line or line.startswith("rank 0 ")]
     assert run.run().state is RunState.COMPLETED
     run.database.dispose()

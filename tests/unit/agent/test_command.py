@@ -58,6 +58,7 @@ def test_golden_launcher_argv() -> None:
         ({"max_restarts": 7}, "--max-restarts=7"),
         ({"local_addr": "10.0.0.9"}, "--local-addr=10.0.0.9"),
         ({"script": ("-m", "pkg.train")}, "-m pkg.train"),
+        ({"worker_log_dir": "/tmp/a/worker-logs"}, "--tee=3 --log-dir=/tmp/a/worker-logs train.py"),
     ],
 )
 def test_settings_reach_torchrun(overrides: dict[str, object], expected: str) -> None:
@@ -105,6 +106,8 @@ def test_env_forces_store_fix_and_channel_but_keeps_users_nccl_choice() -> None:
     assert env["SLURMFT_STACKS_DIR"] == "/tmp/a/stacks"
     assert env["SLURMFT_SAVE_REQUEST_FILE"] == "/tmp/a/save-request"
     assert env["PATH"] == "/bin"
+    # torchrun labels each tee'd worker line with its global rank (slurmft logs --rank).
+    assert env["TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"] == "[rank${rank}]: "
 
 
 @pytest.mark.parametrize(
