@@ -19,7 +19,6 @@ from typing import Annotated, Any
 import typer
 
 from slurmft.cli.runs_cmd import RUN, ask
-from slurmft.core.output import rank_line
 
 ATTEMPT_MARK = re.compile(r"batch step of job (\S+), Slurm restart (\d+), on ")
 FOLLOW_POLL_S = 0.5
@@ -106,6 +105,8 @@ def of_rank(lines: list[str], rank: int | None) -> list[str]:
     """The lines rank ``rank`` wrote, without their label (all lines for None)."""
     if rank is None:
         return lines
+    from slurmft.core.output import rank_line  # by --rank only: `slurmft` starts light
+
     return [found[1] for line in lines if (found := rank_line(line)) and found[0] == rank]
 
 
