@@ -159,7 +159,11 @@ def logs(  # noqa: PLR0917 (typer: one parameter per option)
         if not latest:
             raise typer.BadParameter("only the latest attempt grows", param_hint="--follow")
         try:
-            for line in complete_lines(_follow(ctx, run_id, path, len(written))):
+            chunks = _follow(ctx, run_id, path, len(written))
+            if rank is None:  # as written: a progress bar's "\r" updates show as they come
+                for chunk in chunks:
+                    typer.echo(chunk, nl=False)
+            for line in complete_lines(chunks):  # a label is read off a whole line
                 typer.echo("".join(of_rank([line], rank)), nl=False)
         except KeyboardInterrupt:
             return
