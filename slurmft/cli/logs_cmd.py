@@ -163,8 +163,9 @@ def logs(  # noqa: PLR0917 (typer: one parameter per option)
             if rank is None:  # as written: a progress bar's "\r" updates show as they come
                 for chunk in chunks:
                     typer.echo(chunk, nl=False)
-            for line in complete_lines(chunks):  # a label is read off a whole line
-                typer.echo("".join(of_rank([line], rank)), nl=False)
+            else:  # a label is read off a whole line
+                for line in complete_lines(chunks):
+                    typer.echo("".join(of_rank([line], rank)), nl=False)
         except KeyboardInterrupt:
             return
 
