@@ -177,6 +177,12 @@ class SlurmClient(Protocol):
         """One job in detail (Restarts, ExcNodeList, BatchHost). Raises SlurmJobNotFound."""
         ...
 
+    def step_nodes(self, job_id: str) -> frozenset[str]:
+        """The nodes the job's live steps were launched on. Under --no-kill a job that lost a
+        node no longer names it, but a step that runs on still does: Slurm's word that the job
+        had the node (empty for a job without steps, or one slurmctld no longer knows)."""
+        ...
+
     def nodes(self, names: Sequence[str] = ()) -> dict[str, NodeInfo]:
         """Nodes by name (all nodes when `names` is empty), in one call."""
         ...

@@ -75,6 +75,14 @@ class CliSlurmClient:
             raise SlurmJobNotFound(f"scontrol printed nothing for job {job_id}")
         return parse.job_from_scontrol(records[0])
 
+    def step_nodes(self, job_id: str) -> frozenset[str]:
+        try:
+            result = self._run(commands.squeue_steps_argv(job_id))
+        except SlurmJobNotFound:
+            return frozenset()  # ended and purged: it has no steps
+        steps = parse.parse_squeue_steps(result.stdout)
+        return frozenset(node for nodes in steps.values() for node in nodes)
+
     def nodes(self, names: Sequence[str] = ()) -> dict[str, NodeInfo]:
         return parse.parse_sinfo_nodes(self._run(commands.sinfo_nodes_argv(names)).stdout)
 

@@ -65,6 +65,19 @@ def parse_squeue(stdout: str) -> dict[str, JobInfo]:
     return jobs
 
 
+def parse_squeue_steps(stdout: str) -> dict[str, tuple[str, ...]]:
+    """`squeue --steps` in STEPS_FORMAT: {step id: the nodes it was launched on}."""
+    steps: dict[str, tuple[str, ...]] = {}
+    for line in stdout.splitlines():
+        if not line.strip():
+            continue
+        step_id, sep, nodes = line.strip().partition("|")
+        if not sep or "." not in step_id:
+            raise SlurmError(f"unexpected squeue --steps line: {line!r}")
+        steps[step_id] = tuple(expand(blank(nodes)))
+    return steps
+
+
 def parse_scontrol_records(stdout: str) -> list[dict[str, str]]:
     """`scontrol -o show job|node`: one record per line, `Key=value` pairs."""
     records = []

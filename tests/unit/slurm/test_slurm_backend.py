@@ -183,3 +183,13 @@ def test_a_requeue_slurm_carried_out_is_done_though_scontrol_failed() -> None:
 def test_a_requeue_that_did_not_happen_still_fails() -> None:
     with pytest.raises(SlurmBadRequest, match="Unexpected message"):
         CliSlurmClient(RequeueAnswersAnError(carried_out=False)).requeue("14")
+
+
+def test_a_shrunk_jobs_step_still_names_the_node_it_lost(replay: Replay) -> None:
+    client, runner = replay("show_job_shrunk", "squeue_steps_shrunk", "squeue_steps_unknown")
+    job_id = job_id_of(load_recording("show_job_shrunk"))
+    held = set(client.job(job_id).nodes)
+    had = client.step_nodes(job_id)
+    assert len(held) == 2 and held < had and len(had) == 3  # one node lost, its step runs on
+    assert client.step_nodes("999999") == frozenset()  # Slurm knows no such job: no steps
+    assert runner.exhausted

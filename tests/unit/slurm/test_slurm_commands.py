@@ -154,6 +154,9 @@ def test_query_argv() -> None:
     ]  # fmt: skip
     assert commands.sinfo_nodes_argv(["n2", "n1"])[-1] == "--nodes=n[1-2]"
     assert commands.show_job_argv("7") == ["scontrol", "--oneliner", "show", "job", "7"]
+    assert commands.squeue_steps_argv("7") == [
+        "squeue", "--noheader", "--steps", "--jobs=7", "--format=%i|%N",
+    ]  # fmt: skip
     assert commands.show_node_argv("n1") == ["scontrol", "--oneliner", "show", "node", "n1"]
     with pytest.raises(SlurmBadRequest):
         commands.squeue_argv(["7 8"])

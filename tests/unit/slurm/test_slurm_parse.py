@@ -18,6 +18,7 @@ from slurmft.slurm.parse import (
     parse_scontrol_records,
     parse_sinfo_nodes,
     parse_squeue,
+    parse_squeue_steps,
 )
 from slurmft.slurm.runner import CommandResult
 from slurmft.slurm.script import (
@@ -68,6 +69,17 @@ def test_squeue_many_jobs_in_one_call(recorded: Recorded) -> None:
     )
     assert by_name["done"].state is JobState.COMPLETED
     assert "999999" not in jobs
+
+
+def test_squeue_steps_of_a_job_that_lost_a_node(recorded: Recorded) -> None:
+    steps = parse_squeue_steps(recorded("squeue_steps_shrunk").stdout)
+    (agent_step,) = (step for step in steps if step.endswith(".0"))
+    (batch,) = (step for step in steps if step.endswith(".batch"))
+    assert len(steps[agent_step]) == 3 and len(steps[batch]) == 1
+    assert steps[batch][0] in steps[agent_step]
+    assert parse_squeue_steps(recorded("squeue_steps_unknown").stdout) == {}
+    with pytest.raises(SlurmError):
+        parse_squeue_steps("n1,n2\n")  # not a step line
 
 
 def test_squeue_after_cancel_and_requeue(recorded: Recorded) -> None:
