@@ -6,7 +6,8 @@ not judged (`foreign` NULL). Each control pass, after reconcile, judges the repo
 job must be the run owner's and tagged with the run (Slurm's record, slurmft.slurm.script
 .not_the_runs_job), and be the run's latest attempt's job, or adoptable as it (an attempt whose
 job `slurmft submit` never attached). The allocation stored (`allocation_nodes`, with join and
-leave times) is the reported nodes that Slurm says the job holds: the poster's word only picks
+leave times) is the reported nodes that Slurm says the job holds, or that its live steps still
+run on (a node lost before the report was judged: `check_report`): the poster's word only picks
 the roles, and which of the job's nodes the agent step runs on. A report that does not check out
 is marked foreign and refused with a daemon event saying why; nothing of it is stored.
 
@@ -58,9 +59,15 @@ class Verdict:
 
 
 def check_report(
-    job: JobInfo, claimed: Mapping[str, NodeRole], run: Run, attempt: Attempt | None
+    job: JobInfo,
+    claimed: Mapping[str, NodeRole],
+    run: Run,
+    attempt: Attempt | None,
+    step_nodes: frozenset[str] = frozenset(),
 ) -> Verdict:
-    """What Slurm's record of the reported job makes of the report. Pure."""
+    """What Slurm's record of the reported job makes of the report. Pure. ``step_nodes``: the
+    nodes Slurm says the job's live steps were launched on (asked only when the report names
+    nodes the job no longer holds)."""
     problem = not_the_runs_job(job, run.id, run.owner_uid)
     if problem is not None:
         return Verdict(refused=problem)
@@ -70,11 +77,15 @@ def check_report(
         return Verdict(wait=True)  # requeued since: the report is the next attempt's
     if not job.state.holds_nodes:
         return Verdict(refused=f"job {job.job_id} holds no nodes ({job.state.value})")
-    held = set(job.nodes)
-    members = {node: role for node, role in claimed.items() if node in held}
+    # A node the job lost before this report was judged (the daemon was down when the job
+    # started: it never saw the whole allocation) is no longer in the job's record, but its
+    # agent step's record still names it: the job had it, and the node is stored, to be seen
+    # lost by the next observation.
+    had = set(job.nodes) | step_nodes
+    members = {node: role for node, role in claimed.items() if node in had}
     if not members:
         return Verdict(refused=f"job {job.job_id} holds none of the reported nodes")
-    return Verdict(members=members, ignored=tuple(sorted(set(claimed) - held)))
+    return Verdict(members=members, ignored=tuple(sorted(set(claimed) - had)))
 
 
 def judge_allocation_reports(session: Session, slurm: SlurmClient, *, now: datetime) -> None:
@@ -104,8 +115,12 @@ def judge_allocation_reports(session: Session, slurm: SlurmClient, *, now: datet
         except SlurmError as error:  # not a job id, or no such job
             _refuse(session, report, f"Slurm: {error}")
             continue
+        try:
+            step_nodes = _step_nodes(slurm, job, claimed)
+        except (SlurmUnreachable, SlurmTimeout):
+            return
         attempt = _latest_attempt(session, run.id)
-        verdict = check_report(job, claimed, run, attempt)
+        verdict = check_report(job, claimed, run, attempt, step_nodes)
         if verdict.wait:
             continue
         if verdict.refused is not None:
@@ -124,6 +139,21 @@ def judge_allocation_reports(session: Session, slurm: SlurmClient, *, now: datet
             "ignored": list(verdict.ignored),
         }
     session.flush()
+
+
+def _step_nodes(
+    slurm: SlurmClient, job: JobInfo, claimed: Mapping[str, NodeRole]
+) -> frozenset[str]:
+    """The nodes of the job's live steps, asked of Slurm only when the report names a node the
+    job no longer holds (one squeue call; rare)."""
+    if not job.state.holds_nodes or set(claimed) <= set(job.nodes):
+        return frozenset()
+    try:
+        return slurm.step_nodes(job.job_id)
+    except (SlurmUnreachable, SlurmTimeout):
+        raise
+    except SlurmError:  # no steps to ask about: the held nodes alone decide
+        return frozenset()
 
 
 def judge_evidence(session: Session, run_ids: list[str]) -> None:

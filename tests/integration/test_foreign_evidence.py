@@ -15,10 +15,11 @@ from typing import Any
 import pytest
 from sqlalchemy import select, text
 from support.daemon_side import post_batch
-from support.slurm_recordings import RecordedCluster
+from support.slurm_recordings import RecordedCluster, job_id_of, load_recording
 
 from slurmft.controller import views as v
 from slurmft.controller.act import Executor
+from slurmft.controller.allocation import judge_allocation_reports
 from slurmft.controller.decide import Policy, TrustPolicy, decide
 from slurmft.controller.http import IngestServer
 from slurmft.controller.ingest import new_run_token
@@ -36,6 +37,7 @@ from slurmft.db.models import (
 from slurmft.db.records import denied_nodes
 from slurmft.slurm.api import JobInfo
 from slurmft.slurm.cli_backend import CliSlurmClient
+from slurmft.slurm.hostlist import expand
 
 BOB, ALICE = "run-0001", "ralice"
 # Drains are not held back by the partition's drained fraction (n3 drains in the recording).
@@ -300,3 +302,31 @@ def test_a_checked_report_adopts_the_job_the_client_never_attached(
         (attempt,) = s.scalars(select(Attempt)).all()
         assert (attempt.number, attempt.slurm_job_id) == (1, "14")
         assert sorted(n.node for n in attempt.nodes) == ["n1", "n2", "n3"]
+
+
+def test_a_node_lost_before_the_report_was_judged_is_stored_from_the_jobs_step(
+    database: Database, ingest_server: IngestServer, seed_run: Callable[..., None]
+) -> None:
+    """The daemon was down while the recorded job started and lost a node: Slurm's record of the
+    job names two nodes, its step's record three. The late report's third node is stored (the
+    next observation sees it lost); a node neither record names is left out."""
+    recorded = load_recording("show_job_shrunk")
+    job_id = job_id_of(recorded)
+    token, digest = new_run_token()
+    seed_run(database, "rec-shrunk", job_id=job_id, owner_uid=0, nodes=2, spares=1,
+             token_hash=digest)  # fmt: skip
+    steps = load_recording("squeue_steps_shrunk").stdout.splitlines()
+    had = expand(next(line for line in steps if line.startswith(f"{job_id}.0|")).split("|")[1])
+    claimed = [{"node": node, "role": "active"} for node in [*had, "n1"]]
+    allocation = {"job_id": job_id, "nodes": claimed}
+    _post(ingest_server, token, "rec-shrunk", had[0], allocation=allocation)
+    runner = RecordedCluster(["show_job_shrunk", "squeue_steps_shrunk"])
+    with database.session() as s:
+        judge_allocation_reports(s, CliSlurmClient(runner), now=datetime.now(UTC))
+        s.commit()
+    with database.session() as s:
+        stored = {r.node: r.left_at for r in s.scalars(select(AllocationNode))}
+        (report,) = s.scalars(select(Event).where(Event.kind == EventKind.ALLOCATION)).all()
+        assert (report.foreign, report.details["ignored"]) == (False, ["n1"])
+    assert stored == dict.fromkeys(had)  # all three, none left yet
+    assert [call[0] for call in runner.calls] == ["scontrol", "squeue"]

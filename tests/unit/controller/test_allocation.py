@@ -82,3 +82,20 @@ def test_check_report(
     run = Run(id="rb", owner_uid=2)
     attempt = Attempt(run_id="rb", number=1, slurm_job_id=attempt_job, slurm_restarts=0)
     assert check_report(job, claim, run, attempt) == verdict, case
+
+
+def test_a_node_lost_before_the_report_was_judged_is_stored_when_its_step_names_it() -> None:
+    """The daemon was down when the job started and n3 died since: Slurm's job record no longer
+    names n3 (shrunk under --no-kill), the agent step's still does (squeue_steps_shrunk)."""
+    run = Run(id="rb", owner_uid=2)
+    attempt = Attempt(run_id="rb", number=1, slurm_job_id="14", slurm_restarts=0)
+    shrunk = replace(JOB, nodes=("n1", "n2"))
+    claim = {"n1": A, "n2": S, "n3": A, "n9": A}
+    steps = frozenset({"n1", "n2", "n3"})
+    assert check_report(shrunk, claim, run, attempt, steps) == Verdict(
+        members={"n1": A, "n2": S, "n3": A}, ignored=("n9",)
+    )
+    # Without the step's word, the lost node is only the poster's claim: left out.
+    assert check_report(shrunk, claim, run, attempt) == Verdict(
+        members={"n1": A, "n2": S}, ignored=("n3", "n9")
+    )
