@@ -24,6 +24,10 @@ pytestmark = [pytest.mark.slurm, pytest.mark.torch]
 
 DOWN_S = 75  # longer than a restart's cause window (60 s): the loss is no longer news
 
+def _steps(count: int) -> list[str]:
+    """The example for ``count`` steps of 150 ms: long enough to outlive the outage."""
+    return [*EXAMPLE, "--steps", str(count), "--work-ms", "150"]
+
 
 def _allocation(run: SubmittedRun) -> set[str]:
     with run.database.session() as s:
@@ -31,17 +35,60 @@ def _allocation(run: SubmittedRun) -> set[str]:
             Attempt.run_id == run.run_id, AllocationNode.left_at.is_(None))))  # fmt: skip
 
 
+def _worker_nodes(run: SubmittedRun) -> set[str]:
+    """The nodes the run's training processes run on, from their own environment (all nodes
+    run on this host): what the store cannot tell while the daemon is down."""
+    ckpt = str(run.ckpt_dir).encode()
+    found = set()
+    for entry in Path("/proc").iterdir():
+        try:
+            cmdline = (entry / "cmdline").read_bytes()
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue  # not a process, or exited while we looked
+        if b"slurmft.train.examples.tiny" in cmdline and ckpt in cmdline:
+            found |= {v[len(b"SLURMD_NODENAME="):].decode() for v in environ
+                      if v.startswith(b"SLURMD_NODENAME=")}  # fmt: skip
+    return found
+
+
 def test_a_node_lost_while_the_daemon_is_down_is_recorded_when_it_is_back(
     cluster: Cluster, daemon: DaemonProcess, tmp_path: Path
 ) -> None:
-    steps = ["--steps", "400", "--work-ms", "150"]  # long enough to outlive the outage
-    run = submit(cluster, daemon, tmp_path, [*EXAMPLE, *steps], name="daemon-down")
+    run = submit(cluster, daemon, tmp_path, _steps(400), name="daemon-down")
     run.wait_training()
     wait_for_value("the allocation stored", lambda: _allocation(run), lambda n: len(n) == 4)
     batch_host = cluster.client.job(run.job_id).batch_host
     victim = sorted(set(run.beating_nodes().values()) - {batch_host})[0]
 
     daemon.kill(signal.SIGTERM)
+    _lose_node_while_the_daemon_is_down(cluster, daemon, run, victim, steps=400)
+
+
+def test_a_node_lost_before_the_daemon_ever_saw_the_job_run_is_recorded_when_it_is_back(
+    cluster: Cluster, daemon: DaemonProcess, tmp_path: Path
+) -> None:
+    """The daemon went down before the job started: it never saw the whole allocation, and when
+    it is back Slurm names only the nodes left. The batch step's report, late, names the lost
+    node too, and the agent step's record in Slurm confirms the job had it."""
+    begin = ["--begin=now+15"]  # the job waits until the daemon is down
+    # Longer: the agent step must still run when the daemon is back (its record is the proof).
+    run = submit(cluster, daemon, tmp_path, _steps(700), name="daemon-down-early",
+                 fields={"sbatch_args": begin})  # fmt: skip
+    daemon.kill(signal.SIGTERM)
+    (attempt,) = run.attempts()
+    assert (attempt.started_at, attempt.nodelist, _allocation(run)) == (None, None, set())
+    wait_for_value("training to start", run.latest_step, lambda step: step >= 10, timeout_s=180)
+    batch_host = cluster.client.job(run.job_id).batch_host
+    victim = sorted(_worker_nodes(run) - {batch_host})[0]
+    _lose_node_while_the_daemon_is_down(cluster, daemon, run, victim, steps=700)
+
+
+def _lose_node_while_the_daemon_is_down(
+    cluster: Cluster, daemon: DaemonProcess, run: SubmittedRun, victim: str, *, steps: int
+) -> None:
+    """Kill ``victim`` (it trains, it is not the batch host) while the daemon is down, then
+    start the daemon: it records the loss, the exclusion and a free restart."""
     stopped_at = time.monotonic()
     cluster.kill_node(victim)
     # The spare joins the rendezvous on its own: training goes on (the store hears nothing of
@@ -85,6 +132,6 @@ def test_a_node_lost_while_the_daemon_is_down_is_recorded_when_it_is_back(
         (FaultClass.HARDWARE, True)
     ], [r.details for r in restarts]
     assert run.run().restarts_without_progress == 0
-    run.wait_completed(400, timeout_s=300)
+    run.wait_completed(steps, timeout_s=300)
     assert run.run().state is RunState.COMPLETED
     run.database.dispose()
