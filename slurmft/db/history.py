@@ -64,6 +64,11 @@ HISTORY_VIEWS: dict[str, HistoryView] = {
             "lost_s DESC, fault_class, kind",
         ),
         HistoryView("time_lost_by_day", "How much training time was lost each UTC day?", "day"),
+        HistoryView(
+            "effective_time_by_day",
+            "What fraction of each UTC day's training time was effective?",
+            "day",
+        ),
     )
 }
 

@@ -163,3 +163,52 @@ def test_a_plain_scripts_estimate_waits_for_the_cadence_of_its_files(
     assert measured.lost.estimate and measured.lost.back_at == _t(42)
     assert measured.lost.restart_s == pytest.approx(4)  # 38 s to 42 s
     assert measured.lost.replay_s == pytest.approx(18)  # the work since the file at 20 s
+
+
+def _at(day: int, hour: float) -> datetime:
+    return datetime(2026, 12, day, tzinfo=UTC) + timedelta(hours=hour)
+
+
+def test_effective_time_per_utc_day_cuts_each_runs_span_at_midnight(
+    database: Database, seed_run: Callable[..., None]
+) -> None:
+    # 22:00 to 02:00 across midnight, 12 minutes lost to a node at 23:00 on the first day.
+    seed_run(database, "ra", running=False, state=RunState.COMPLETED, started_at=_at(1, 21.5),
+             first_step_at=_at(1, 22), last_step_at=_at(2, 2), ended_at=_at(2, 2.1))
+    # A plain script (no steps): its job's start to its end, an estimate.
+    seed_run(database, "rb", running=False, state=RunState.FAILED, started_at=_at(2, 1),
+             ended_at=_at(2, 3))
+    # Still running: the day's figures grow until now.
+    now = datetime.now(UTC)
+    seed_run(database, "rc", started_at=now - timedelta(seconds=40),
+             first_step_at=now - timedelta(seconds=30))
+    with database.session() as s:
+        s.add_all([
+            Event(run_id="ra", kind=EventKind.NODE_LOST, node="n2", occurred_at=_at(1, 23),
+                  message="n2 lost", time_lost_s=720, lost_detection_s=60, lost_restart_s=300,
+                  lost_queue_wait_s=0, lost_replay_s=360, time_lost_estimate=False),
+            # Neither is lost training time: evidence judged foreign, and a straggler.
+            Event(run_id="ra", kind=EventKind.NODE_LOST, node="n4", occurred_at=_at(2, 1),
+                  message="n4 not ours", time_lost_s=500, foreign=True),
+            Event(run_id="ra", kind=EventKind.STRAGGLER, node="n3", occurred_at=_at(2, 1),
+                  message="rank 2 slow", time_lost_s=90),
+        ])  # fmt: skip
+    with database.session() as s:
+        days = {r["day"]: r for r in read_view(s, "effective_time_by_day")}
+        (whole,) = read_view(s, "run_effective_time", run_id="ra")
+    first, second = days.pop("2026-12-01"), days.pop("2026-12-02")
+    assert first["wall_s"] == pytest.approx(7200, abs=0.01)
+    assert (first["runs"], first["failures"], first["estimate"]) == (1, 1, 0)
+    assert first["lost_s"] == pytest.approx(720)
+    assert first["effective_s"] == pytest.approx(6480, abs=0.01)
+    assert first["effective_ratio"] == pytest.approx(0.9, abs=1e-6)
+    parts = ("detection_s", "restart_s", "queue_wait_s", "replay_s")
+    assert [first[p] for p in parts] == pytest.approx([60, 300, 0, 360])
+    # 2 h of "ra" after midnight and 2 h of "rb"; nothing lost.
+    assert second["wall_s"] == pytest.approx(4 * 3600, abs=0.01)
+    assert (second["runs"], second["failures"], second["estimate"]) == (2, 0, 1)
+    assert (second["lost_s"], second["effective_ratio"]) == (0, pytest.approx(1.0))
+    # The days of one run add up to its whole span.
+    assert whole["wall_s"] == pytest.approx(first["wall_s"] + 7200, abs=0.01)
+    # The running run's 30 s so far (on today, or on today and yesterday after midnight).
+    assert sum(d["wall_s"] for d in days.values()) == pytest.approx(30, abs=5)
