@@ -17,6 +17,7 @@ node outside the allocation is never excluded, drained or evicted on a run's wor
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from functools import partial
@@ -48,6 +49,8 @@ from slurmft.core.budget import (
     CAUSE_WINDOW_S,
     Restart,
     RestartBudget,
+    Seen,
+    Sighting,
     budget_from_history,
     charged_restarts,
 )
@@ -147,7 +150,11 @@ def decide(view: ClusterView, policy: Policy) -> list[Action]:
     actions: list[Action] = []
     for run in view.runs:
         try:
-            budget, counted = count_restarts(run, policy.max_restarts_without_progress)
+            # A restart this pass's own node removal caused is free now, not a pass later.
+            removing = view.now if _nodes_leaving(run, view, policy, lemons) else None
+            budget, counted = count_restarts(
+                run, policy.max_restarts_without_progress, removing_at=removing
+            )
             decided = counted + _decide_run(replace(run, budget=budget), view, policy, gate, lemons)
         except Exception as exc:  # one run's bad data must not stop the others
             decided = _undecided(run, exc)
@@ -168,24 +175,32 @@ def _undecided(run: RunView, exc: Exception) -> list[Action]:
     )
 
 
-def count_restarts(run: RunView, cap: int) -> tuple[RestartBudget, list[Action]]:
+def count_restarts(
+    run: RunView, cap: int, *, removing_at: datetime | None = None
+) -> tuple[RestartBudget, list[Action]]:
     """The run's budget: its restarts in a row since its newest checkpoint first appeared
     (slurmft.core.budget's rule over `RunView.restarts`), and the bookkeeping to record: the
     count, the progress it counts from, and the restarts whose daemon event is missing or
-    names another cause. (The job that failed just now is `_job_ended`'s to charge.)"""
+    names another cause. (The job that failed just now is `_job_ended`'s to charge.)
+    ``removing_at``: this pass takes a node out of the run (`_nodes_leaving`), a cause the
+    store does not hold yet."""
     evidence = run.restarts
     if evidence is None:  # an ended run: its count stays as it was
         return replace(run.budget, max_restarts_without_progress=cap), []
     progress = evidence.progress
     since = progress.at if progress else evidence.since
     window = timedelta(seconds=CAUSE_WINDOW_S)
+    causes = [
+        *evidence.causes,
+        *([Sighting(Seen.NODE_REMOVED, removing_at)] if removing_at is not None else []),
+    ]
     counted = [
         *([progress] if progress else []),
         *(s for s in evidence.restarts if s.at >= since),
-        *(c for c in evidence.causes if c.at >= since - window),
+        *(c for c in causes if c.at >= since - window),
     ]
     budget = budget_from_history(counted, cap)
-    restarts = charged_restarts([*evidence.restarts, *evidence.causes])
+    restarts = charged_restarts([*evidence.restarts, *causes])
     changed = tuple(
         r for r in restarts if evidence.recorded.get(r.key) != (r.cause, r.node_removed)
     )
@@ -233,17 +248,13 @@ def _decide_run(
         return _lost_nodes(run, view, policy, gate)[0] + _keep_excluded(run, job, view)
     if job.phase is JobPhase.ENDED:
         return _job_ended(run, job, view)
-    if run.budget.exhausted:
+    if run.budget.exhausted and not _cause_in_doubt(run, job, view, policy):
         return _stop(run, run.budget.stop_reason(), job_id=job.job_id)
-    if (
-        job.batch_host_down
-        and job.batch_host
-        and _confirmed(run, job.batch_host, job.batch_host_lost_since, view, policy)
-    ):
+    if _batch_host_lost(run, job, view, policy):
         return _batch_host_down(run, job, view, policy)
     actions: list[Action] = []
     removed: set[str] = set()
-    for finder in (_lost_nodes, partial(_gpu_faults, lemons=lemons), _unresponsive_nodes):
+    for finder in _removal_finders(lemons):
         found, gone = finder(run, view, policy, gate)
         actions += found
         removed |= gone
@@ -253,6 +264,76 @@ def _decide_run(
     removed |= gone
     actions += _capacity(run, job, view, policy, removed)
     return actions
+
+
+_Finder = Callable[[RunView, ClusterView, Policy, _DrainGate], tuple[list[Action], set[str]]]
+
+
+def _removal_finders(lemons: frozenset[str]) -> tuple[_Finder, ...]:
+    """What takes a node out of a running job's run: Slurm's word that it is lost (or drained
+    by someone else), a GPU fault that drains it, an agent gone silent."""
+    return (_lost_nodes, partial(_gpu_faults, lemons=lemons), _unresponsive_nodes)
+
+
+def _cause_in_doubt(run: RunView, job: JobView, view: ClusterView, policy: Policy) -> bool:
+    """The run's newest restart may still turn out to have a node loss as its cause, which
+    would make it free: a crash-loop stop waits (a run at the cap whose node dies must not be
+    stopped as a crash loop in the seconds before the loss is known). In doubt: a restart first
+    reported less than ``policy.confirm_s`` ago (a dead node's agent is not silent for long yet,
+    Slurm has not called it lost yet); one of the run's nodes Slurm calls lost, unconfirmed; an
+    agent of the run silent for ``confirm_s`` but not yet for ``unresponsive_after_s`` (past
+    that its node leaves the run, `_unresponsive_nodes`). A true crash loop is stopped one
+    ``confirm_s`` later."""
+    evidence = run.restarts
+    newest = max((s.at for s in evidence.restarts), default=None) if evidence else None
+    if newest is not None and (view.now - newest).total_seconds() < policy.confirm_s:
+        return True
+    if job.batch_host_down and job.batch_host and not _batch_host_lost(run, job, view, policy):
+        return True
+    for node in run.nodes:
+        lost = node.condition is NodeCondition.LOST
+        if (
+            lost
+            and node.name not in run.excluded
+            and not _confirmed(run, node.name, node.lost_since, view, policy)
+        ):
+            return True
+    return any(
+        agent.node not in run.excluded
+        and policy.confirm_s
+        <= (view.now - view.heard(agent.last_report_at)).total_seconds()
+        < policy.unresponsive_after_s
+        for agent in run.agents
+    )
+
+
+def _batch_host_lost(run: RunView, job: JobView, view: ClusterView, policy: Policy) -> bool:
+    """Slurm's confirmed word that the job's batch host is lost: the job is requeued."""
+    return bool(
+        job.batch_host_down
+        and job.batch_host
+        and _confirmed(run, job.batch_host, job.batch_host_lost_since, view, policy)
+    )
+
+
+def _nodes_leaving(
+    run: RunView, view: ClusterView, policy: Policy, lemons: frozenset[str]
+) -> set[str]:
+    """The nodes `_decide_run` takes out of the run this pass, for the restart count: the loss
+    that caused a restart is often decided in the same pass as the restart is first counted
+    (both reported while the daemon was down; a DOWN and a crash a poll apart), and the restart
+    must be counted free at once, never charged to the user's code for a pass (that pass could
+    stop the run at the cap). Its own drain gate: which node leaves does not depend on the drain
+    limits. A straggler's exclusion is left out: it comes before the restart it causes."""
+    job = run.job
+    if job is None or run.cancel_requested or job.phase is JobPhase.ENDED:
+        return set()
+    if job.phase is JobPhase.WAITING:
+        return _lost_nodes(run, view, policy, _DrainGate(policy.trust, view))[1]
+    if job.batch_host and _batch_host_lost(run, job, view, policy):
+        return {job.batch_host}
+    gate = _DrainGate(policy.trust, view)
+    return set().union(*(finder(run, view, policy, gate)[1] for finder in _removal_finders(lemons)))
 
 
 class _EventFields(TypedDict, total=False):

@@ -708,6 +708,59 @@ def test_the_crash_loop_count_is_decided_from_the_evidence_and_recorded_once() -
     assert "crash loop: 5 restarts in a row without progress" in actions[1].reason
 
 
+def _at_the_cap_then(restart_s_ago: float) -> RestartEvidence:
+    """Five restarts of the user's code in a row (the cap), then one more ``restart_s_ago``."""
+    earlier = tuple(_failure(NOW - timedelta(seconds=600 - 90 * i), f"7.1/{i}") for i in range(5))
+    newest = _failure(NOW - timedelta(seconds=restart_s_ago), "7.1/5")
+    return RestartEvidence(since=NOW - timedelta(hours=1), restarts=(*earlier, newest))
+
+
+def test_a_restart_is_free_in_the_pass_that_takes_its_node_out() -> None:
+    """The daemon was down: the restart the loss caused and Slurm's word that n2 is lost are
+    both new to this pass. The pass that records the loss counts the restart free, with its
+    cause, not as the user's code for one pass: at the cap, that pass would stop the run."""
+    lost = _lost_for(_run(nodes=_nodes(lost=("n2",))), "n2", 10)
+    run = replace(lost, restarts=_at_the_cap_then(12), agents=_agents())
+    actions = decide(_view(run), CONFIRM)
+    assert _summary(actions) == [
+        ("RecordRestarts", ""),
+        ("RecordEvent", "node_lost@n2"),
+        ("ExcludeNode", "n2"),
+    ]
+    record = actions[0]
+    assert isinstance(record, RecordRestarts)
+    assert record.restarts_without_progress == 5
+    assert [(r.key, r.cause, r.node_removed) for r in record.restarts] == [
+        *((f"7.1/{i}", FaultClass.USER_CODE, False) for i in range(5)),
+        ("7.1/5", FaultClass.HARDWARE, True),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("case", "restart_s_ago", "lost_s", "agents", "stopped"),
+    [
+        ("the restart just reported, nothing known yet", 2, None, _agents(), False),
+        ("n2 lost for a moment only, unconfirmed", 12, 1, _agents(), False),
+        ("n2's agent silent, Slurm says nothing", 12, None, _agents(n2=12.0), False),
+        ("n2's agent silent past the eviction bound", 70, None, _agents(n2=70.0), True),
+        ("a crash loop: nothing in doubt", 12, None, _agents(), True),
+    ],
+)
+def test_a_crash_loop_stop_waits_while_a_node_loss_may_still_be_its_cause(
+    case: str, restart_s_ago: float, lost_s: float | None, agents: tuple[AgentSeen, ...],
+    stopped: bool,
+) -> None:  # fmt: skip
+    """At the cap, one more restart stops the run, unless a node loss may still turn out to be
+    its cause (then it is free): a restart reported under ``confirm_s`` ago, a node Slurm calls
+    lost without confirmation, an agent gone silent that is not evicted yet."""
+    run = _run(restarts=_at_the_cap_then(restart_s_ago), agents=agents)
+    if lost_s is not None:
+        run = _lost_for(replace(run, nodes=_nodes(lost=("n2",))), "n2", lost_s)
+    actions = decide(_view(run), CONFIRM)
+    assert actions[0].restarts_without_progress == 6  # type: ignore[attr-defined]
+    assert (("FinishRun", "stopped") in _summary(actions)) is stopped, _summary(actions)
+
+
 def test_a_run_whose_view_cannot_be_decided_is_recorded_and_the_others_are_decided() -> None:
     """Issue 14, item 3: deciding for one run fails (its data, a bug): that run gets a
     control-error event, once per attempt, and every other run is decided as usual."""
