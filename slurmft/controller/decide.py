@@ -41,6 +41,7 @@ from slurmft.controller.views import (
     RecordEvent,
     RecordRestarts,
     RequeueJob,
+    RestartEvidence,
     RestartWorkers,
     RunView,
     SubmitAttempt,
@@ -53,6 +54,7 @@ from slurmft.core.budget import (
     Sighting,
     budget_from_history,
     charged_restarts,
+    spent_at,
 )
 from slurmft.core.kinds import EventKind, FaultClass, NodeRole
 from slurmft.core.states import RunState
@@ -152,10 +154,11 @@ def decide(view: ClusterView, policy: Policy) -> list[Action]:
         try:
             # A restart this pass's own node removal caused is free now, not a pass later.
             removing = view.now if _nodes_leaving(run, view, policy, lemons) else None
-            budget, counted = count_restarts(
-                run, policy.max_restarts_without_progress, removing_at=removing
-            )
-            decided = counted + _decide_run(replace(run, budget=budget), view, policy, gate, lemons)
+            cap = policy.max_restarts_without_progress
+            budget, counted = count_restarts(run, cap, removing_at=removing)
+            spent = _spent_at(run, cap, removing) if budget.exhausted else None
+            counted_run = replace(run, budget=budget, budget_spent_at=spent)
+            decided = counted + _decide_run(counted_run, view, policy, gate, lemons)
         except Exception as exc:  # one run's bad data must not stop the others
             decided = _undecided(run, exc)
         actions += decided
@@ -187,20 +190,10 @@ def count_restarts(
     evidence = run.restarts
     if evidence is None:  # an ended run: its count stays as it was
         return replace(run.budget, max_restarts_without_progress=cap), []
-    progress = evidence.progress
-    since = progress.at if progress else evidence.since
-    window = timedelta(seconds=CAUSE_WINDOW_S)
-    causes = [
-        *evidence.causes,
-        *([Sighting(Seen.NODE_REMOVED, removing_at)] if removing_at is not None else []),
-    ]
-    counted = [
-        *([progress] if progress else []),
-        *(s for s in evidence.restarts if s.at >= since),
-        *(c for c in causes if c.at >= since - window),
-    ]
+    counted, causes = _budget_sightings(evidence, removing_at)
     budget = budget_from_history(counted, cap)
     restarts = charged_restarts([*evidence.restarts, *causes])
+    progress = evidence.progress
     changed = tuple(
         r for r in restarts if evidence.recorded.get(r.key) != (r.cause, r.node_removed)
     )
@@ -220,6 +213,33 @@ def count_restarts(
             restarts=changed,
         )
     ]
+
+
+def _budget_sightings(
+    evidence: RestartEvidence, removing_at: datetime | None
+) -> tuple[list[Sighting], list[Sighting]]:
+    """What the budget is counted from (the newest progress, the restarts since, their causes
+    from a cause window before), and every cause known, this pass's removal among them."""
+    progress = evidence.progress
+    since = progress.at if progress else evidence.since
+    window = timedelta(seconds=CAUSE_WINDOW_S)
+    causes = [
+        *evidence.causes,
+        *([Sighting(Seen.NODE_REMOVED, removing_at)] if removing_at is not None else []),
+    ]
+    counted = [
+        *([progress] if progress else []),
+        *(s for s in evidence.restarts if s.at >= since),
+        *(c for c in causes if c.at >= since - window),
+    ]
+    return counted, causes
+
+
+def _spent_at(run: RunView, cap: int, removing_at: datetime | None) -> datetime | None:
+    """When the run's budget, counted as `count_restarts` does, was first spent."""
+    if run.restarts is None:
+        return None
+    return spent_at(_budget_sightings(run.restarts, removing_at)[0], cap)
 
 
 def lemon_nodes(view: ClusterView, trust: TrustPolicy) -> frozenset[str]:
@@ -276,17 +296,17 @@ def _removal_finders(lemons: frozenset[str]) -> tuple[_Finder, ...]:
 
 
 def _cause_in_doubt(run: RunView, job: JobView, view: ClusterView, policy: Policy) -> bool:
-    """The run's newest restart may still turn out to have a node loss as its cause, which
-    would make it free: a crash-loop stop waits (a run at the cap whose node dies must not be
-    stopped as a crash loop in the seconds before the loss is known). In doubt: a restart first
-    reported less than ``policy.confirm_s`` ago (a dead node's agent is not silent for long yet,
-    Slurm has not called it lost yet); one of the run's nodes Slurm calls lost, unconfirmed; an
-    agent of the run silent for ``confirm_s`` but not yet for ``unresponsive_after_s`` (past
-    that its node leaves the run, `_unresponsive_nodes`). A true crash loop is stopped one
-    ``confirm_s`` later."""
-    evidence = run.restarts
-    newest = max((s.at for s in evidence.restarts), default=None) if evidence else None
-    if newest is not None and (view.now - newest).total_seconds() < policy.confirm_s:
+    """The restart that spent the run's budget may still turn out to have a node loss as its
+    cause, which would make it free: the crash-loop stop waits (a run at the cap whose node
+    dies must not be stopped as a crash loop in the seconds before the loss is known). In
+    doubt: that restart was first reported less than ``policy.confirm_s`` ago (a dead node's
+    agent is not silent for long yet, Slurm has not called it lost yet; counted from the
+    restart that spent the budget, not the newest, so a fast crash loop is stopped all the
+    same); one of the run's nodes Slurm calls lost, unconfirmed; an agent of the run silent for
+    ``confirm_s`` but not yet for ``unresponsive_after_s`` (past that its node leaves the run,
+    `_unresponsive_nodes`). A true crash loop is stopped one ``confirm_s`` later."""
+    spent = run.budget_spent_at
+    if spent is not None and (view.now - spent).total_seconds() < policy.confirm_s:
         return True
     if job.batch_host_down and job.batch_host and not _batch_host_lost(run, job, view, policy):
         return True

@@ -118,6 +118,8 @@ class RunView:
     steps_ask_gres: bool = False  # its agent steps ask for GRES (GPUs) on each node
     # The count as stored (runs.restarts_without_progress); with `restarts`, decide counts anew.
     budget: RestartBudget = field(default_factory=RestartBudget)
+    # When decide's count first read the budget spent (`slurmft.core.budget.spent_at`).
+    budget_spent_at: datetime | None = None
     restarts: RestartEvidence | None = None  # None: the run has ended, nothing to count
     cancel_requested: bool = False
     # Findings already recorded (by key), so a condition that lasts is acted on once.

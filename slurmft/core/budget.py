@@ -23,7 +23,7 @@ the store.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from enum import StrEnum
@@ -302,8 +302,30 @@ def budget_from_history(
     """The run's budget after everything it went through, in time order: the restarts
     (`charged_restarts`), and checkpoints as progress. ``start``: what was charged before
     these sightings (the batch step's count from earlier agent steps and requeues)."""
-    checkpoints = sorted((s.at, s.step, s.label) for s in sightings if s.kind is Seen.CHECKPOINT)
     budget = start or RestartBudget(max_restarts_without_progress=max_restarts_without_progress)
+    charged = list(_budget_after_each(sightings, budget, group_s, cause_window_s))
+    return charged[-1][1] if charged else budget
+
+
+def spent_at(
+    sightings: Sequence[Sighting],
+    max_restarts_without_progress: int,
+    *,
+    group_s: float = GROUP_S,
+    cause_window_s: float = CAUSE_WINDOW_S,
+) -> datetime | None:
+    """When `budget_from_history` first read the budget spent: the first report of the restart
+    that took the count past the cap (None: not spent)."""
+    budget = RestartBudget(max_restarts_without_progress=max_restarts_without_progress)
+    charged = _budget_after_each(sightings, budget, group_s, cause_window_s)
+    return next((at for at, after in charged if after.exhausted), None)
+
+
+def _budget_after_each(
+    sightings: Sequence[Sighting], budget: RestartBudget, group_s: float, cause_window_s: float
+) -> Iterator[tuple[datetime, RestartBudget]]:
+    """Each restart's first report, with the budget after it is charged, in time order."""
+    checkpoints = sorted((s.at, s.step, s.label) for s in sightings if s.kind is Seen.CHECKPOINT)
     restarts = charged_restarts(sightings, group_s=group_s, cause_window_s=cause_window_s)
     for restart in restarts:
         held = [(step, label) for when, step, label in checkpoints if when <= restart.at]
@@ -312,4 +334,4 @@ def budget_from_history(
         budget = budget.charge(
             Restart(restart.cause, node_removed=restart.node_removed, progress=progress)
         )
-    return budget
+        yield restart.at, budget

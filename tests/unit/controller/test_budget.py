@@ -13,6 +13,7 @@ from slurmft.core.budget import (
     budget_from_history,
     restart_groups,
     round_key,
+    spent_at,
 )
 from slurmft.db.models import FaultClass
 
@@ -161,6 +162,9 @@ def test_a_script_that_always_crashes_stops_after_the_cap() -> None:
     budget = budget_from_history(history, 5)
     assert budget.exhausted and budget.restarts_by_class == {"user_code": 6}
     assert "5 restarts in a row without progress" in budget.stop_reason()
+    # Spent by the sixth restart, first reported at 100 s: later ones do not move that.
+    assert spent_at(history[:-3], 5) is None
+    assert spent_at(history, 5) == spent_at([*history, *_restart(120, "a")], 5) == _at(100)
 
 
 def test_node_losses_near_a_restart_are_free_and_progress_resets() -> None:

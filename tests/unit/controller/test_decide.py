@@ -708,11 +708,14 @@ def test_the_crash_loop_count_is_decided_from_the_evidence_and_recorded_once() -
     assert "crash loop: 5 restarts in a row without progress" in actions[1].reason
 
 
-def _at_the_cap_then(restart_s_ago: float) -> RestartEvidence:
-    """Five restarts of the user's code in a row (the cap), then one more ``restart_s_ago``."""
+def _at_the_cap_then(*restarts_s_ago: float) -> RestartEvidence:
+    """Five restarts of the user's code in a row (the cap), then more, ``restarts_s_ago``."""
     earlier = tuple(_failure(NOW - timedelta(seconds=600 - 90 * i), f"7.1/{i}") for i in range(5))
-    newest = _failure(NOW - timedelta(seconds=restart_s_ago), "7.1/5")
-    return RestartEvidence(since=NOW - timedelta(hours=1), restarts=(*earlier, newest))
+    newer = tuple(
+        _failure(NOW - timedelta(seconds=ago), f"7.1/{i}")
+        for i, ago in enumerate(restarts_s_ago, 5)
+    )
+    return RestartEvidence(since=NOW - timedelta(hours=1), restarts=(*earlier, *newer))
 
 
 def test_a_restart_is_free_in_the_pass_that_takes_its_node_out() -> None:
@@ -737,27 +740,36 @@ def test_a_restart_is_free_in_the_pass_that_takes_its_node_out() -> None:
 
 
 @pytest.mark.parametrize(
-    ("case", "restart_s_ago", "lost_s", "agents", "stopped"),
+    ("case", "restarts_s_ago", "lost_s", "agents", "stopped"),
     [
-        ("the restart just reported, nothing known yet", 2, None, _agents(), False),
-        ("n2 lost for a moment only, unconfirmed", 12, 1, _agents(), False),
-        ("n2's agent silent, Slurm says nothing", 12, None, _agents(n2=12.0), False),
-        ("n2's agent silent past the eviction bound", 70, None, _agents(n2=70.0), True),
-        ("a crash loop: nothing in doubt", 12, None, _agents(), True),
+        ("the restart just reported, nothing known yet", (2,), None, _agents(), False),
+        ("n2 lost for a moment only, unconfirmed", (12,), 1, _agents(), False),
+        ("n2's agent silent, Slurm says nothing", (12,), None, _agents(n2=12.0), False),
+        ("n2's agent silent past the eviction bound", (70,), None, _agents(n2=70.0), True),
+        ("a crash loop: nothing in doubt", (12,), None, _agents(), True),
+        (
+            "a fast crash loop: a newer restart every few seconds",
+            (12, 8, 4, 1),
+            None,
+            _agents(),
+            True,
+        ),
     ],
 )
 def test_a_crash_loop_stop_waits_while_a_node_loss_may_still_be_its_cause(
-    case: str, restart_s_ago: float, lost_s: float | None, agents: tuple[AgentSeen, ...],
-    stopped: bool,
+    case: str, restarts_s_ago: tuple[float, ...], lost_s: float | None,
+    agents: tuple[AgentSeen, ...], stopped: bool,
 ) -> None:  # fmt: skip
     """At the cap, one more restart stops the run, unless a node loss may still turn out to be
-    its cause (then it is free): a restart reported under ``confirm_s`` ago, a node Slurm calls
-    lost without confirmation, an agent gone silent that is not evicted yet."""
-    run = _run(restarts=_at_the_cap_then(restart_s_ago), agents=agents)
+    its cause (then it is free): that restart reported under ``confirm_s`` ago, a node Slurm
+    calls lost without confirmation, an agent gone silent that is not evicted yet. The restarts
+    after it do not hold the stop any longer."""
+    run = _run(restarts=_at_the_cap_then(*restarts_s_ago), agents=agents)
     if lost_s is not None:
         run = _lost_for(replace(run, nodes=_nodes(lost=("n2",))), "n2", lost_s)
     actions = decide(_view(run), CONFIRM)
-    assert actions[0].restarts_without_progress == 6  # type: ignore[attr-defined]
+    count = 5 + len(restarts_s_ago)
+    assert actions[0].restarts_without_progress == count  # type: ignore[attr-defined]
     assert (("FinishRun", "stopped") in _summary(actions)) is stopped, _summary(actions)
 
 
