@@ -56,9 +56,6 @@ TINY_ARGS = [
     "--pg-timeout-s",
     "30",
 ]
-# Runs longer than ~60 steps need a smaller learning rate: at the example's default (0.05) its
-# loss turns NaN from about step 45-50, and NaN losses cannot show an exact resume.
-LONG_RUN_LR = ["--lr", "0.01"]
 
 
 @dataclasses.dataclass
@@ -263,7 +260,7 @@ def test_node_kill_with_slurmd_timeout_60(
     cluster: Cluster, tmp_path: Path, free_port: int, slurmd_timeout_60: None
 ) -> None:
     # Long enough that Slurm marks the node DOWN (about 60-70 s after the kill) mid-training.
-    args = [*TINY_ARGS, *LONG_RUN_LR, "--steps", "150", "--work-ms", "600"]
+    args = [*TINY_ARGS, "--steps", "150", "--work-ms", "600"]
     node_kill_inside_the_same_step(cluster, submit(cluster, tmp_path, free_port, args), steps=150)
 
 
@@ -416,7 +413,7 @@ TIME_LIMIT_MIN, SAVE_LEAD_S = 2, 30
 # More than a first attempt trains before its USR1 (600 steps of >= 150 ms): the run must be
 # requeued to finish.
 LONG_STEPS = 600
-LONG_ARGS = [*TINY_ARGS, *LONG_RUN_LR, "--steps", str(LONG_STEPS)]
+LONG_ARGS = [*TINY_ARGS, "--steps", str(LONG_STEPS)]
 
 
 @pytest.fixture

@@ -87,8 +87,7 @@ def test_six_node_losses_with_progress_between_them_do_not_stop_the_run(
     loss_cluster: Cluster, loss_daemon: DaemonProcess, tmp_path: Path
 ) -> None:
     started = time.monotonic()
-    # A smaller learning rate than the example's: two ranks for 150 steps at 0.05 diverge.
-    script = [*EXAMPLE, *TINY, "--steps", str(STEPS), "--lr", "0.01"]
+    script = [*EXAMPLE, *TINY, "--steps", str(STEPS)]
     run = submit(
         loss_cluster, loss_daemon, tmp_path, script, name="six-losses", nodes=NODES, spares=SPARES
     )
