@@ -286,12 +286,24 @@ class BatchStep:
 
     def _budget_spent(self) -> bool:
         """The step's in-place restarts spent the budget, and the daemon, if it watches the run,
-        did not stop it within `give_up_grace_s` (it cancels the job, which ends this step)."""
+        did not stop it within `give_up_grace_s` (it cancels the job, which ends this step).
+        A node loss confirmed during the grace (`_note_removed`: Slurm calls a node lost
+        seconds after its peers' restart is recorded) can make the restart that spent it free:
+        then it is no longer spent."""
+        budget = self._charge_in_place_restarts()
+        if self.step_spent is not None and not budget.exhausted:
+            log.info(
+                "restart budget no longer spent: a node lost since caused the restart "
+                "(%d in a row without progress, cap %d)",
+                budget.restarts_without_progress,
+                budget.max_restarts_without_progress,
+            )
+            self.step_spent = None
         if self.step_spent is None:
-            budget = self._charge_in_place_restarts()
             if not budget.exhausted:
                 return False
-            # Kept as it is now: the failures of the grace period and of the stop add nothing.
+            # Kept as it is now: the failures of the grace period and of the stop add nothing
+            # (charge_step reads the budget at the failure that spent it).
             self.step_spent, self.step_spent_at = budget, time.monotonic()
             log.warning(
                 "restart budget spent (%s): stopping the agent step in %.0f s",

@@ -204,6 +204,27 @@ def test_a_spent_budget_stops_the_step_after_the_daemons_grace(
     assert BatchState.load(str(tmp_path), 1).budget.restarts_without_progress == 2
 
 
+def test_a_node_loss_confirmed_during_the_grace_makes_the_spending_restart_free(
+    tmp_path: Path,
+) -> None:
+    """At the cap a node dies: its peers' restart is recorded at once and spends the budget;
+    Slurm's word that the node is lost comes seconds later (confirmed after confirm_s). The
+    restart is then free, as the daemon counts it, and the step is not stopped."""
+    spec = dataclasses.replace(SPEC, ckpt_dir=str(tmp_path), max_restarts_without_progress=1)
+    batch = BatchStep(spec, None, "7", "127.0.0.1", give_up_grace_s=600.0)  # type: ignore[arg-type]
+    batch.outcome_dir = str(tmp_path / "7.1")
+    by_node = logs(Path(batch.outcome_dir))
+    now = datetime.now(UTC).timestamp()
+    crash_round(by_node, now - 90)  # the user's code: one restart, the cap
+    crash_round(by_node, now - 5)  # the node's death: spends the budget, for now
+    assert not batch._budget_spent() and batch.step_spent is not None
+    batch._note_removed(["n1", "n2", "n3"], alive={"n1", "n3"})  # n2 lost, confirmed
+    assert not batch._budget_spent() and batch.step_spent is None
+    budget = BatchState.load(str(tmp_path), 1).budget
+    assert budget.restarts_without_progress == 1
+    assert budget.restarts_by_class == {"user_code": 1, "hardware": 1}
+
+
 class Forwarded:
     """The agent's reporter: what it would send to the daemon."""
 
