@@ -24,6 +24,7 @@ pytestmark = [pytest.mark.slurm, pytest.mark.torch]
 
 DOWN_S = 75  # longer than a restart's cause window (60 s): the loss is no longer news
 
+
 def _steps(count: int) -> list[str]:
     """The example for ``count`` steps of 150 ms: long enough to outlive the outage."""
     return [*EXAMPLE, "--steps", str(count), "--work-ms", "150"]
@@ -37,16 +38,19 @@ def _allocation(run: SubmittedRun) -> set[str]:
 
 def _worker_nodes(run: SubmittedRun) -> set[str]:
     """The nodes the run's training processes run on, from their own environment (all nodes
-    run on this host): what the store cannot tell while the daemon is down."""
-    ckpt = str(run.ckpt_dir).encode()
+    run on this host): what the store cannot tell while the daemon is down. A worker runs the
+    example's module itself; the spare's torchrun, waiting to join, names it only as the script
+    it would start (killing that node would cost the run nothing)."""
+    ckpt = str(run.ckpt_dir)
     found = set()
     for entry in Path("/proc").iterdir():
         try:
-            cmdline = (entry / "cmdline").read_bytes()
+            argv = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
             environ = (entry / "environ").read_bytes().split(b"\0")
         except OSError:
             continue  # not a process, or exited while we looked
-        if b"slurmft.train.examples.tiny" in cmdline and ckpt in cmdline:
+        module = argv[argv.index("-m") + 1] if "-m" in argv[:-1] else ""
+        if module == "slurmft.train.examples.tiny" and any(ckpt in arg for arg in argv):
             found |= {v[len(b"SLURMD_NODENAME="):].decode() for v in environ
                       if v.startswith(b"SLURMD_NODENAME=")}  # fmt: skip
     return found
