@@ -682,7 +682,9 @@ def _hangs(run: RunView, view: ClusterView, policy: Policy, removed: set[str]) -
     for finding in findings:
         if finding.node in run.excluded or finding.node in removed:
             continue  # its node is already leaving the run
-        key = f"hang:{finding.rank}:{finding.phase}:{finding.kind.value}"
+        # One finding per rank, phase and step: the same rank hung again later in the attempt
+        # (after its workers were restarted) is a new hang, restarted again.
+        key = f"hang:{finding.rank}:{finding.phase}:{finding.kind.value}:{finding.step}"
         actions += _event(
             run,
             key,

@@ -58,6 +58,7 @@ class HangFinding:
     kind: HangKind
     seconds: float  # without progress (overdue) or without heartbeats (frozen)
     deadline_s: float
+    step: int = -1  # the step it was last heard at
 
     @property
     def reason(self) -> str:
@@ -89,12 +90,14 @@ def find_hangs(
     if not fresh:
         return [], Silence(ranks=len(beats), seconds=min(ages.values()))
     findings = [
-        HangFinding(b.rank, b.node, b.phase, HangKind.OVERDUE, b.progress_age_s, b.deadline_s)
+        HangFinding(
+            b.rank, b.node, b.phase, HangKind.OVERDUE, b.progress_age_s, b.deadline_s, b.step
+        )
         for b in fresh
         if b.progress_age_s > b.deadline_s
     ]
     findings += [
-        HangFinding(b.rank, b.node, b.phase, HangKind.FROZEN, ages[b.rank], silent_after_s)
+        HangFinding(b.rank, b.node, b.phase, HangKind.FROZEN, ages[b.rank], silent_after_s, b.step)
         for b in beats
         if ages[b.rank] > silent_after_s
     ]

@@ -273,8 +273,17 @@ CASES = [
     ),
     (
         "hang already reported: no second restart",
-        _view(_run(beats=_beats(r1={"age": 400.0}), reported=frozenset({"hang:1:step:overdue"}))),
+        _view(
+            _run(beats=_beats(r1={"age": 400.0}), reported=frozenset({"hang:1:step:overdue:10"}))
+        ),
         [],
+    ),
+    (
+        "the same rank hung again at a later step of the attempt: restarted again",
+        _view(
+            _run(beats=_beats(r1={"age": 400.0}), reported=frozenset({"hang:1:step:overdue:4"}))
+        ),
+        [("RecordEvent", "hang@n2"), ("RestartWorkers", "n2")],
     ),
     (
         "frozen rank (SIGSTOP) while peers report",
