@@ -13,7 +13,8 @@ from datetime import datetime
 from enum import StrEnum
 from typing import Any
 
-from slurmft.controller.detect import RankBeat, RankCompute
+from slurmft.controller.detect import RankBeat as RankBeat  # re-exported: a view's parts
+from slurmft.controller.detect import RankCompute as RankCompute
 from slurmft.core.budget import ChargedRestart, RestartBudget, Sighting
 from slurmft.core.kinds import EventKind, FaultClass, NodeRole
 from slurmft.core.states import JobPhase as JobPhase  # re-exported: observe and decide use it

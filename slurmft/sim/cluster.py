@@ -118,11 +118,7 @@ class FailureDraws:
         if total <= 0 or not allocation:
             return None
         at = now + self.rng.expovariate(total)
-        pick = self.rng.random() * total
-        for hit, rate in parts:
-            if pick < rate:
-                break
-            pick -= rate
+        hit = self.rng.choices([h for h, _ in parts], weights=[r for _, r in parts])[0]
         if hit is Hit.SWITCH:
             return Failure(at, hit, rack=self.rng.choice(racks))
         if hit is Hit.HANG:

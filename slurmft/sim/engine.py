@@ -39,8 +39,9 @@ class JobState(StrEnum):
     ENDED = "ended"
 
 
-ACTIVE = frozenset({JobState.STARTING, JobState.TRAINING, JobState.RESTARTING, JobState.HUNG,
-                    JobState.BLOCKED})
+ACTIVE = frozenset(
+    {JobState.STARTING, JobState.TRAINING, JobState.RESTARTING, JobState.HUNG, JobState.BLOCKED}
+)
 
 
 @dataclass
@@ -182,11 +183,19 @@ class Simulation:
         usable = self.partition.usable(exclude)
         if len(usable) < want:
             repairs = [n.repair_due for n in self.partition.nodes if n.repair_due is not None]
-            if not repairs:
-                raise RuntimeError(
-                    f"the partition cannot hold the job: {len(usable)} usable < {want}"
-                )
-            self.at(min(repairs) + 1e-6, self.start_attempt, min(repairs) + 1e-6, exclude)
+            if repairs:  # the job pends until enough nodes are back
+                self.at(min(repairs), self.start_attempt, min(repairs), exclude)
+                return
+            if not exclude:
+                raise RuntimeError(f"the partition cannot hold the job: {len(usable)} < {want}")
+            # Only healthy nodes the run excluded keep it pending: a person lets them back in.
+            self.counts.notices += 1
+            self.at(
+                t + self.inputs.human_fix_s,
+                self.start_attempt,
+                t + self.inputs.human_fix_s,
+                frozenset(),
+            )
             return
         job = self.job
         job.allocation = usable[:want]
@@ -216,7 +225,9 @@ class Simulation:
         self._set_state(JobState.ENDED, t)
         self._draw += 1  # no failures hit a job that holds no nodes
 
-    def requeue(self, t: float, blame: str | None = None, exclude: frozenset[str] = frozenset()) -> None:
+    def requeue(
+        self, t: float, blame: str | None = None, exclude: frozenset[str] = frozenset()
+    ) -> None:
         self.counts.requeues += 1
         if self.job.state is JobState.TRAINING:
             self.ledger.fail(t, blame or "requeue")
@@ -297,7 +308,10 @@ class Simulation:
     def block(self, t: float, blame: str) -> None:
         """Training stops (a member lost) until something recovers it."""
         if self.job.state in (
-            JobState.STARTING, JobState.TRAINING, JobState.HUNG, JobState.RESTARTING
+            JobState.STARTING,
+            JobState.TRAINING,
+            JobState.HUNG,
+            JobState.RESTARTING,
         ):
             self.ledger.fail(t, blame)
             self._set_state(JobState.BLOCKED, t)
@@ -344,8 +358,9 @@ class Simulation:
         self._draw += 1
         if self.job.state not in ACTIVE:
             return
-        allocation = [self.partition[n] for n in self.job.allocation
-                      if not self.partition[n].broken]
+        allocation = [
+            self.partition[n] for n in self.job.allocation if not self.partition[n].broken
+        ]
         failure = self.draws.next(t, allocation, self.job.members)
         if failure is not None:
             self.at(failure.at, self._failure, failure, self._draw)
@@ -388,7 +403,9 @@ class Simulation:
                     self.block(t, Hit.GPU.value)
                 self.recovery.gpu_fault(t, f.node, member)
             case Hit.NODE | Hit.SWITCH:
-                hit = self.partition.rack(f.rack) if f.hit is Hit.SWITCH else [self.partition[f.node]]
+                hit = (
+                    self.partition.rack(f.rack) if f.hit is Hit.SWITCH else [self.partition[f.node]]
+                )
                 dead = [n for n in hit if n.dead_since is None]
                 for node in dead:
                     node.dead_since = t

@@ -17,11 +17,12 @@ the attempt's submission); restart-class Xids (and so lemon verdicts from them) 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
+from typing import ClassVar
 
 from slurmft.controller import decide as policy_module
-from slurmft.controller.detect import RankBeat, RankCompute
 from slurmft.controller.views import (
     Action,
     AgentSeen,
@@ -36,6 +37,8 @@ from slurmft.controller.views import (
     NodeCondition,
     NodeView,
     NotifyHuman,
+    RankBeat,
+    RankCompute,
     RecordEvent,
     RecordRestarts,
     RequeueJob,
@@ -87,24 +90,25 @@ class Ladder:
         self.straggler_windows: dict[str, int] = {}
         self._pending: set[float] = set()
         self._fault_ids = 0
+        self._healthy: dict[tuple[str, NodeRole], NodeView] = {}
 
     # --- Recovery hooks: the world around the daemon ------------------------------------------
 
     def start(self, sim: Simulation) -> None:
         self.sim = sim
         self.run: _Run | None = _Run(started_at=sim.now)
-        self._watch(sim.now)
 
     def attempt_started(self, t: float) -> None:
-        self._watch(t)
+        self._watch(t, 0.0)
 
     def software(self, t: float, node: str) -> None:
         # torchrun restarts the workers in place on its own (a worker failure ends the round).
         self.sim.restart_round(t, self.sim.inputs.restart_in_place_s, "software")
-        self._watch(t)
 
     def hang(self, t: float) -> None:
-        self._watch(t)  # only the heartbeats' deadline can tell: the daemon's hang detector
+        self._watch(
+            t, self.sim.inputs.hang_deadline_s
+        )  # only the heartbeats' deadline can tell: the daemon's hang detector
         # Unless torch's own watchdog ends the collective first (then torchrun restarts).
         self.sim.at(t + self.sim.inputs.nccl_timeout_s, self._watchdog, self.sim.job.id, t)
 
@@ -112,17 +116,19 @@ class Ladder:
         job = self.sim.job
         if job.id == job_id and job.state is JobState.HUNG and job.since == hung_at:
             self.sim.restart_round(self.sim.now, self.sim.inputs.restart_in_place_s, "hang")
-            self._watch(self.sim.now)
 
     def gpu_fault(self, t: float, node: str, member: bool) -> None:
-        self._watch(t)  # the agent's GPU check reports it; the policy takes the node out
+        # The agent's GPU check reports it; the policy takes the node out.
+        self._watch(t, self.sim.inputs.gpu_report_s)
 
     def nodes_lost(self, t: float, members: list[str], others: list[str]) -> None:
         if members:
             # The survivors' rendezvous drops the silent peers and a waiting spare joins
             # (the agents, without the daemon).
             self.sim.at(t + self.sim.inputs.dead_peer_s, self._dead_peers, set(members))
-        self._watch(t)
+        # Slurm's word, the agents' silence, the frozen ranks: each has its own threshold.
+        i, p = self.sim.inputs, self.policy
+        self._watch(t, p.confirm_s, p.silent_after_s, p.unresponsive_after_s, i.slurmd_timeout_s)
 
     def straggler(self, t: float, node: str) -> None:
         self._watch_stragglers(t)
@@ -130,12 +136,12 @@ class Ladder:
     def round_ended(self, t: float, key: str) -> None:
         if self.run:
             self.run.failures.append(Sighting(Seen.FAILURE, stamp(t), agent="w", round=key))
-        self._watch(t)
+        self._watch(t, 0.0, self.policy.confirm_s)  # the budget; a crash loop's stop
 
     def round_done(self, t: float, key: str) -> None:
         if self.run:
             self.run.failures.append(Sighting(Seen.RESTART, stamp(t), agent="a", round=key))
-        self._watch(t)
+        self._watch(t, 0.0)
         self._watch_stragglers(t)
 
     def checkpoint(self, t: float, step: int) -> None:
@@ -165,30 +171,24 @@ class Ladder:
         sim.round_ends(t)
         sim.block(t, blame)
         host = sim.partition[sim.job.batch_host]
-        if host.dead_since is None and sim.job.batch_host not in leaving and sim.replace(
-            t, leaving
+        if (
+            host.dead_since is None
+            and sim.job.batch_host not in leaving
+            and sim.replace(t, leaving)
         ):
             sim.restart_round(t, sim.inputs.spare_swap_s, blame)
         else:
             sim.job.members = [m for m in sim.job.members if m not in leaving]
-        self._watch(t)
+        self._watch(t, 0.0)
 
     # --- control passes ------------------------------------------------------------------------
 
-    def _watch(self, t: float) -> None:
-        """Passes at the times the policy's thresholds fall due after a change at ``t``."""
-        i, p = self.sim.inputs, self.policy
-        for offset in (
-            0.0,
-            i.gpu_report_s,
-            p.confirm_s,
-            p.silent_after_s,
-            p.unresponsive_after_s,
-            i.hang_deadline_s,
-            i.slurmd_timeout_s,
-        ):
+    def _watch(self, t: float, *offsets: float) -> None:
+        """Passes when the thresholds ``offsets`` after a change at ``t`` fall due, and a poll
+        later (a threshold is passed strictly)."""
+        for offset in offsets:
             self._pass_at(t + offset)
-            self._pass_at(t + offset + i.poll_s)
+            self._pass_at(t + offset + self.sim.inputs.poll_s)
 
     def _watch_stragglers(self, t: float) -> None:
         job = self.sim.job
@@ -254,7 +254,7 @@ class Ladder:
         }
         if job.state is JobState.WAITING:
             return RunView(job=JobView(job.id, JobPhase.WAITING), **common)  # type: ignore[arg-type]
-        nodes = tuple(self._node_view(t, name) for name in job.allocation)
+        nodes = tuple(self._node_view(name) for name in job.allocation)
         host = next((n for n in nodes if n.name == job.batch_host), None)
         host_lost = host is not None and host.condition is NodeCondition.LOST
         silent = frozenset(
@@ -276,13 +276,15 @@ class Ladder:
             beats=self._beats(t, now),
             compute=self._compute(t),
             gpu_faults=self._gpu_faults(t),
-            agents=tuple(self._agent(t, name) for name in job.allocation),
+            agents=tuple(self._agent(now, name) for name in job.allocation),
             **common,  # type: ignore[arg-type]
         )
 
     def _lost_at(self, name: str) -> float | None:
         """Since when Slurm calls the node lost: set DOWN, or silent past SlurmdTimeout."""
-        node = self.sim.partition[name]
+        node = self.sim.partition.by_name[name]
+        if node.down_at is None and node.dead_since is None:
+            return None
         times = []
         if node.down_at is not None:
             times.append(node.down_at)
@@ -292,21 +294,24 @@ class Ladder:
                 times.append(late)
         return min(times) if times else None
 
-    def _node_view(self, t: float, name: str) -> NodeView:
+    def _node_view(self, name: str) -> NodeView:
         role = NodeRole.SPARE if name in self.sim.job.spares else NodeRole.ACTIVE
         lost = self._lost_at(name)
         if lost is None:
-            return NodeView(name, role)
+            cached = self._healthy.get((name, role))  # most nodes, most passes: built once
+            if cached is None:
+                cached = self._healthy[(name, role)] = NodeView(name, role)
+            return cached
         return NodeView(name, role, NodeCondition.LOST, stamp(lost))
 
-    def _agent(self, t: float, name: str) -> AgentSeen:
-        node, run = self.sim.partition[name], self.run
+    def _agent(self, now: datetime, name: str) -> AgentSeen:
+        node, run = self.sim.partition.by_name[name], self.run
         assert run is not None
         if node.dead_since is not None:
             return AgentSeen(name, stamp(node.dead_since))
         if name in run.excluded:
             return AgentSeen(name, stamp(run.excluded[name]))  # it left the run then
-        return AgentSeen(name, stamp(t))
+        return AgentSeen(name, now)
 
     def _beats(self, t: float, now: datetime) -> tuple[RankBeat, ...]:
         job, sim = self.sim.job, self.sim
@@ -385,62 +390,98 @@ class Ladder:
     # --- the daemon's effects ------------------------------------------------------------------
 
     def _apply(self, t: float, action: Action) -> bool:
-        """Apply one action to the world; True when it changed something."""
-        run, sim = self.run, self.sim
+        """Apply one action to the world as the daemon's effect would; True when it changed
+        something (a finding's key recorded counts: the next pass decides without it)."""
+        run = self.run
         if run is None:
-            return False
+            return False  # stopped earlier in this pass
         self.sim.counts.actions += 1
         key = action.evidence.get("key") if action.evidence else None
         new_key = isinstance(key, str) and key not in run.reported
         if isinstance(key, str):
             run.reported.add(key)
-        match action:
-            case RecordEvent(key=event_key, kind=kind, node=node):
-                if event_key in run.reported:
-                    return new_key
-                run.reported.add(event_key)
-                if kind is EventKind.STRAGGLER and node:
-                    self.straggler_windows[node] = self.straggler_windows.get(node, 0) + 1
-                return True
-            case RecordRestarts():
-                run.stored_count = action.restarts_without_progress
-                run.progress_at = action.last_progress_at
-                for r in action.restarts:
-                    run.recorded[r.key] = (r.cause, r.node_removed)
-                return True
-            case ExcludeNode(node=node):
-                return self._exclude(t, node, action.reason)
-            case DrainNode(node=node):
-                if node in self.denylist:
-                    return new_key
-                self.denylist.add(node)
-                self.drain_times.append(t)
-                sim.drain(t, node)
-                return True
-            case EvictNode(node=node):
-                target = sim.partition[node]
-                if target.down_at is not None:
-                    return new_key
-                target.down_at = t
-                return True
-            case RestartWorkers(node=node):
-                return self._restart_workers(t, node)
-            case RequeueJob(exclude=exclude) | SubmitAttempt(exclude=exclude):
-                sim.requeue(t, "requeue", frozenset(exclude))
-                self._watch(t)
-                return True
-            case FinishRun(state=state):
-                if state is not RunState.STOPPED:
-                    raise RuntimeError(f"the simulated run cannot end {state.value}: {action}")
-                sim.stop(t)
-                self.run = None
-                return True
-            case NotifyHuman():
-                sim.counts.notices += 1
-                return False
-            case ExcludeFromJob():
-                return new_key
-        raise TypeError(f"the simulator cannot apply {type(action).__name__}")
+        effect = self._effects.get(type(action))
+        if effect is None:
+            raise TypeError(f"the simulator cannot apply {type(action).__name__}")
+        return effect(self, t, action, run) or new_key
+
+    def _record_event(self, t: float, action: Action, run: _Run) -> bool:
+        assert isinstance(action, RecordEvent)
+        if action.key in run.reported:
+            return False
+        run.reported.add(action.key)
+        if action.kind is EventKind.STRAGGLER and action.node:
+            windows = self.straggler_windows
+            windows[action.node] = windows.get(action.node, 0) + 1
+        return True
+
+    def _record_restarts(self, t: float, action: Action, run: _Run) -> bool:
+        assert isinstance(action, RecordRestarts)
+        run.stored_count = action.restarts_without_progress
+        run.progress_at = action.last_progress_at
+        for r in action.restarts:
+            run.recorded[r.key] = (r.cause, r.node_removed)
+        return True
+
+    def _exclude_node(self, t: float, action: Action, run: _Run) -> bool:
+        assert isinstance(action, ExcludeNode)
+        return self._exclude(t, action.node, action.reason)
+
+    def _drain(self, t: float, action: Action, run: _Run) -> bool:
+        assert isinstance(action, DrainNode)
+        if action.node in self.denylist:
+            return False
+        self.denylist.add(action.node)
+        self.drain_times.append(t)
+        self.sim.drain(t, action.node)
+        return True
+
+    def _evict(self, t: float, action: Action, run: _Run) -> bool:
+        assert isinstance(action, EvictNode)
+        target = self.sim.partition[action.node]
+        if target.down_at is not None:
+            return False
+        target.down_at = t  # DOWN: under --no-kill the job shrinks to its other nodes
+        return True
+
+    def _restart(self, t: float, action: Action, run: _Run) -> bool:
+        assert isinstance(action, RestartWorkers)
+        return self._restart_workers(t, action.node)
+
+    def _requeue(self, t: float, action: Action, run: _Run) -> bool:
+        assert isinstance(action, RequeueJob | SubmitAttempt)
+        self.sim.requeue(t, "requeue", frozenset(action.exclude))
+        self._watch(t, 0.0)
+        return True
+
+    def _finish(self, t: float, action: Action, run: _Run) -> bool:
+        assert isinstance(action, FinishRun)
+        if action.state is not RunState.STOPPED:
+            raise RuntimeError(f"the simulated run cannot end {action.state.value}: {action}")
+        self.sim.stop(t)
+        self.run = None
+        return True
+
+    def _notify(self, t: float, action: Action, run: _Run) -> bool:
+        self.sim.counts.notices += 1
+        return False
+
+    def _keep_out(self, t: float, action: Action, run: _Run) -> bool:
+        return False  # ExcludeFromJob: the next attempt's nodes are chosen without them anyway
+
+    _effects: ClassVar[dict[type[Action], Callable[[Ladder, float, Action, _Run], bool]]] = {
+        RecordEvent: _record_event,
+        RecordRestarts: _record_restarts,
+        ExcludeNode: _exclude_node,
+        DrainNode: _drain,
+        EvictNode: _evict,
+        RestartWorkers: _restart,
+        RequeueJob: _requeue,
+        SubmitAttempt: _requeue,
+        FinishRun: _finish,
+        NotifyHuman: _notify,
+        ExcludeFromJob: _keep_out,
+    }
 
     def _exclude(self, t: float, node: str, reason: str) -> bool:
         run, job = self.run, self.sim.job
@@ -468,5 +509,4 @@ class Ladder:
             return False  # nothing hung there, or no agent left to fetch the command
         run.causes.append(Sighting(Seen.HANG, stamp(t)))
         sim.restart_round(t, sim.inputs.restart_in_place_s, "hang")
-        self._watch(t)
         return True

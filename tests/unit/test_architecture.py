@@ -29,6 +29,8 @@ VIOLATIONS = [
     ("train-no-slurm-store-daemon", "slurmft/train/report.py", "import slurmft.controller.rpc"),
     ("agent-no-store-controller", "slurmft/agent/reporter.py", "import slurmft.db"),
     ("wire-and-policy-no-store", "slurmft/controller/decide.py", "import sqlalchemy.orm"),
+    ("sim-no-policy-of-its-own", "slurmft/sim/ladder.py", "import slurmft.controller.detect"),
+    ("policy-knows-no-sim", "slurmft/controller/decide.py", "import slurmft.sim.engine"),
 ]
 
 
