@@ -19,6 +19,7 @@ from slurmft.cli import (
     nodes_cmd,
     report_cmd,
     runs_cmd,
+    sim_cmd,
     submit_cmd,
 )
 from slurmft.cli.context import CliState
@@ -42,6 +43,7 @@ daemon_cmd.register(app)
 submit_cmd.register(app)
 report_cmd.register(app)
 logs_cmd.register(app)
+sim_cmd.register(app)
 
 
 def _version(value: bool) -> None:

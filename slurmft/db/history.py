@@ -121,3 +121,35 @@ def _plain(value: Any) -> Any:
     if value is not None and not isinstance(value, (int, float, str, bool)):
         return float(value)  # PostgreSQL numeric -> Decimal
     return value
+
+
+def planning_counts(session: Session, *, now: datetime) -> dict[str, Any]:
+    """What `slurmft plan --store` estimates rates from, read through the views: failures by
+    kind (`failures_by_node`: the runs' own nodes only), restarts charged to the user's code
+    (`run_restarts`), and the node-hours the allocations held (`allocation_nodes`, a node still
+    held counted until its attempt ended, or until ``now``)."""
+    from sqlalchemy import func, select
+
+    from slurmft.db.models import AllocationNode, Attempt
+
+    by_kind: dict[str, int] = {}
+    for row in read_view(session, "failures_by_node"):
+        by_kind[row["kind"]] = by_kind.get(row["kind"], 0) + int(row["failures"])
+    user_code = sum(int(row["user_code"] or 0) for row in read_view(session, "run_restarts"))
+    held = session.execute(
+        select(
+            AllocationNode.joined_at,
+            func.coalesce(AllocationNode.left_at, Attempt.ended_at).label("left"),
+        ).join(Attempt, Attempt.id == AllocationNode.attempt_id)
+    ).all()
+    naive_now = now.replace(tzinfo=None)
+    seconds = 0.0
+    for joined, left in held:
+        end = naive_now if left is None else left.replace(tzinfo=None)
+        seconds += max(0.0, (end - joined.replace(tzinfo=None)).total_seconds())
+    return {
+        "failures_by_kind": dict(sorted(by_kind.items())),
+        "user_code_restarts": user_code,
+        "stragglers": by_kind.get("straggler", 0),
+        "node_hours": seconds / 3600,
+    }

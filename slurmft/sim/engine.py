@@ -116,6 +116,7 @@ class Result:
             "spares": self.inputs.spares,
             "seed": self.inputs.seed,
             "checkpoint_interval_s": self.inputs.interval_s(),
+            "checkpoint_cost_s": self.inputs.checkpoint_cost_s,
             "ettr": ledger.ettr,
             "span_s": ledger.span_s,
             "effective_s": ledger.effective_s,
