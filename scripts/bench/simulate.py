@@ -22,9 +22,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from slurmft.sim.engine import simulate  # noqa: E402
-from slurmft.sim.inputs import Inputs, Strategy, meta_like_inputs  # noqa: E402
-from slurmft.sim.report import format_rows, strategies_table  # noqa: E402
+from slurmft.sim.engine import simulate
+from slurmft.sim.inputs import Inputs, Strategy, meta_like_inputs
+from slurmft.sim.report import format_rows, strategies_table
 
 
 def main() -> None:
