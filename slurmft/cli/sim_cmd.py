@@ -126,7 +126,7 @@ def simulate(  # noqa: PLR0917 (typer: one parameter per option)
     if sensitivity:
         ladder = base.with_(strategy=Strategy.LADDER, spares=max(counts))
         extra = sensitivity_table(
-            ladder, (0.78, 3.0, 6.3, 30.0), (0.5, 1.0, 2.0), max(2, seeds // 4), procs
+            ladder, (0.78, 3.0, 6.3, 30.0), (0.5, 1.0, 2.0), max(3, seeds // 2), procs
         )
     if as_json:
         echo_json({

@@ -408,9 +408,11 @@ class Simulation:
                     self.partition.rack(f.rack) if f.hit is Hit.SWITCH else [self.partition[f.node]]
                 )
                 dead = [n for n in hit if n.dead_since is None]
+                # A switch is replaced in hours; its nodes were never broken themselves.
+                fixed_in = self.inputs.switch_repair_s if f.hit is Hit.SWITCH else None
                 for node in dead:
                     node.dead_since = t
-                    self._schedule_repair(node, t)
+                    self._schedule_repair(node, t, fixed_in)
                 names = {n.name for n in dead}
                 members = [m for m in job.members if m in names]
                 others = [n for n in job.allocation if n in names and n not in members]
@@ -442,9 +444,9 @@ class Simulation:
     def _update_speed_now(self) -> None:
         self._update_speed(self.now)
 
-    def _schedule_repair(self, node: Node, t: float) -> None:
+    def _schedule_repair(self, node: Node, t: float, after_s: float | None = None) -> None:
         if node.repair_due is None:
-            node.repair_due = t + self.inputs.repair_s
+            node.repair_due = t + (self.inputs.repair_s if after_s is None else after_s)
             self.at(node.repair_due, self._repair, node)
 
     def drain(self, t: float, name: str) -> None:

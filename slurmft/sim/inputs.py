@@ -126,6 +126,7 @@ class Inputs:
     lemon_share: float = 3 / 63
     lemon_factor: float = 20.0
     repair_s: float = 2 * DAY  # a drained or dead node back in the partition
+    switch_repair_s: float = 4 * HOUR  # a leaf switch replaced: its rack back
     # Stragglers: a node slower by `straggler_slowdown`, until repaired or removed.
     stragglers_per_node_day: float = 0.0005
     straggler_slowdown: float = 0.5
