@@ -135,10 +135,10 @@ class Inputs:
     crash_loop_share: float = 0.0
     crash_loop_after_s: float = 30.0  # of training before the bug strikes again
     human_fix_s: float = 2 * HOUR
-    # Failures every this many seconds exactly, on one node, of this class, instead of the rate
-    # table (the closed-form check; stragglers off).
+    # Failures every this many seconds exactly, on the first training node (the batch host
+    # until it leaves), of this class, instead of the rate table (the closed-form check).
     failure_every_s: float | None = None
-    failure_every_hit: Hit = Hit.SOFTWARE
+    failure_every_hit: Hit | None = Hit.SOFTWARE  # None: a straggler
     # Checkpoints: interval of training time between durable checkpoints (None: Young/Daly for
     # these rates) and the time each blocks training.
     checkpoint_interval_s: float | None = None

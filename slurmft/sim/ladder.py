@@ -166,16 +166,14 @@ class Ladder:
 
     def _reform(self, t: float, leaving: set[str], blame: str) -> None:
         """``leaving`` leave the training: a new round with spares in their places, or, with
-        too few spares or the batch host gone, training waits for the daemon's requeue."""
+        too few spares or the batch host dead, training waits for the daemon's requeue. (A
+        batch host that is only excluded, a straggler or a bad GPU, still runs the batch step:
+        its training place goes to a spare like any other's.)"""
         sim = self.sim
         sim.round_ends(t)
         sim.block(t, blame)
         host = sim.partition[sim.job.batch_host]
-        if (
-            host.dead_since is None
-            and sim.job.batch_host not in leaving
-            and sim.replace(t, leaving)
-        ):
+        if host.dead_since is None and sim.replace(t, leaving):
             sim.restart_round(t, sim.inputs.spare_swap_s, blame)
         else:
             sim.job.members = [m for m in sim.job.members if m not in leaving]

@@ -129,6 +129,17 @@ def test_spares_replace_lost_nodes_without_a_requeue() -> None:
     assert many.lost_s().get("queue", 0.0) < none.lost_s().get("queue", 0.0)
 
 
+def test_a_slow_batch_host_hands_its_place_to_a_spare() -> None:
+    """The batch host turns straggler: the policy excludes it once a spare exists, a spare
+    trains in its place and the batch step runs on; nothing waits for a requeue."""
+    inputs = Inputs(nodes=8, spares=2, seed=1, horizon_s=DAY, failure_every_s=6 * HOUR,
+                    failure_every_hit=None, straggler_slowdown=0.5)  # fmt: skip
+    result = simulate(inputs)
+    assert result.counts.spares_used == 2 and result.counts.requeues == 0
+    assert result.lost_s().get("detection", 0.0) == 0.0
+    assert result.ettr > 0.98
+
+
 def test_the_simulator_defines_no_policy_of_its_own() -> None:
     """Every action the ladder applies comes from decide: the simulator constructs none, and
     defines no decide (import-linter keeps it from calling the detectors itself)."""
