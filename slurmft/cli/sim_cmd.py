@@ -28,6 +28,15 @@ WORKERS = Annotated[
     typer.Option("--workers", min=1, help="Processes side by side (default: every core)."),
 ]
 JSON = Annotated[bool, typer.Option("--json", help="Machine-readable output.")]
+INPUTS = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--input",
+        help="Set any numeric input, NAME=NUMBER (repeatable), e.g. spare_swap_s=30, "
+        "queue_wait_s=0, lemon_factor=10; docs/simulate.md lists them with their sources.",
+        show_default=False,
+    ),
+]
 
 
 def _nodes(gpus: int, gpus_per_node: int) -> int:
@@ -90,6 +99,7 @@ def simulate(  # noqa: PLR0917 (typer: one parameter per option)
             "(0.78, 3, 6.3, 30 s) and recovery times (x0.5, x1, x2).",
         ),
     ] = False,
+    inputs: INPUTS = None,
     workers: WORKERS = None,
     as_json: JSON = False,
 ) -> None:
@@ -120,6 +130,7 @@ def simulate(  # noqa: PLR0917 (typer: one parameter per option)
     if meta_like:
         base = meta_like_inputs(base)
         chosen, counts = [Strategy.REQUEUE], [0]
+    base = base.with_settings(inputs or [])
     procs = workers or os.cpu_count() or 1
     rows = strategies_table(base, chosen, counts, seeds, procs)
     extra = []
@@ -165,6 +176,7 @@ def plan(  # noqa: PLR0917 (typer: one parameter per option)
     min_node_hours: Annotated[
         float, typer.Option("--min-node-hours", min=1.0, help="With --store: refuse below this.")
     ] = 5000.0,
+    inputs: INPUTS = None,
     workers: WORKERS = None,
     as_json: JSON = False,
 ) -> None:
@@ -180,7 +192,7 @@ def plan(  # noqa: PLR0917 (typer: one parameter per option)
         gpus_per_node=gpus_per_node,
         horizon_s=days * DAY,
         checkpoint_cost_s=checkpoint_cost,
-    )
+    ).with_settings(inputs or [])
     if store:
         history = _store_history(ctx)
         rates, stragglers = rates_from_store(

@@ -8,9 +8,11 @@ defaults.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, fields, replace
 from enum import StrEnum
+
+from slurmft.errors import SlurmftError
 
 
 class Hit(StrEnum):
@@ -161,6 +163,29 @@ class Inputs:
     def with_(self, **changes: object) -> Inputs:
         return replace(self, **changes)  # type: ignore[arg-type]
 
+    def with_settings(self, pairs: Sequence[str]) -> Inputs:
+        """``name=value`` pairs applied to the numeric inputs (`slurmft simulate --input`):
+        every input is a parameter. A bad name or value is a clear error."""
+        settable = numeric_inputs()
+        changes: dict[str, object] = {}
+        for pair in pairs:
+            name, sep, text = pair.partition("=")
+            name = name.strip().replace("-", "_")
+            if not sep or name not in settable:
+                raise BadInput(
+                    f"--input {pair!r}: expected NAME=NUMBER with NAME one of "
+                    f"{', '.join(sorted(settable))}"
+                )
+            try:
+                value = float(text) if settable[name] is float else int(text)
+            except ValueError:
+                raise BadInput(f"--input {pair!r}: {text!r} is not a number") from None
+            if value < 0 or not math.isfinite(value) or (value == 0 and name in _POSITIVE):
+                least = "> 0" if name in _POSITIVE else ">= 0"
+                raise BadInput(f"--input {pair!r}: must be a finite number {least}")
+            changes[name] = value
+        return self.with_(**changes)
+
     @property
     def pool(self) -> int:
         if self.pool_nodes is not None:
@@ -176,6 +201,26 @@ class Inputs:
         if self.checkpoint_interval_s is not None:
             return self.checkpoint_interval_s
         return daly_interval_s(self.checkpoint_cost_s, self.rates.mtbf_s(self.nodes))
+
+
+class BadInput(SlurmftError):
+    """An input of the simulator named or valued wrongly."""
+
+
+# Set by `--input` are the numbers, not the structure (nodes, spares, strategy, seed and the
+# rate table have options of their own).
+_STRUCTURE = frozenset({"nodes", "gpus_per_node", "spares", "seed", "horizon_s", "failure_every_s"})
+_POSITIVE = frozenset({"poll_s", "rack_nodes", "checkpoint_interval_s"})
+
+
+def numeric_inputs() -> dict[str, type]:
+    """The inputs `with_settings` may set, with their number type."""
+    out: dict[str, type] = {}
+    for f in fields(Inputs):
+        kind = str(f.type).split(" | ")[0]
+        if f.name not in _STRUCTURE and kind in {"float", "int"}:
+            out[f.name] = float if kind == "float" else int
+    return out
 
 
 def daly_interval_s(cost_s: float, mtbf_s: float) -> float:

@@ -55,6 +55,18 @@ def test_simulate_prints_the_table(capsys: pytest.CaptureFixture[str]) -> None:
     ]
 
 
+def test_any_input_can_be_set(capsys: pytest.CaptureFixture[str]) -> None:
+    def ettr(*extra: str) -> float:
+        argv = ["simulate", "--gpus", "2048", "--days", "2", "--seeds", "3",
+                "--strategies", "ladder", "--spares", "2", "--json", *extra]  # fmt: skip
+        code, out, err = _cli(capsys, *argv)
+        assert code == 0, err
+        return float(json.loads(out)["table"][0]["ettr"]["mean"])
+
+    slow = ettr("--input", "spare_swap_s=900", "--input", "job_startup_s=1800")
+    assert slow < ettr() - 0.005  # slower recovery paths cost ETTR
+
+
 def test_simulate_json_and_meta_like(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = _cli(capsys, "simulate", "--gpus", "1024", "--days", "1", "--seeds", "2",
                           "--meta-like", "--json")  # fmt: skip
@@ -71,6 +83,9 @@ def test_simulate_json_and_meta_like(capsys: pytest.CaptureFixture[str]) -> None
         (["simulate", "--strategies", "ladder,magic"], "--strategies: choose from"),
         (["simulate", "--spares", "0,x"], "--spares: expected comma-separated whole numbers"),
         (["plan"], "Missing option '--gpus'"),
+        (["simulate", "--input", "warp_s=3"], "expected NAME=NUMBER with NAME one of"),
+        (["simulate", "--input", "spare_swap_s=fast"], "'fast' is not a number"),
+        (["plan", "--gpus", "64", "--input", "poll_s=0"], "must be a finite number > 0"),
     ],
 )
 def test_bad_input_is_one_clear_line(
