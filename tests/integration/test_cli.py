@@ -10,23 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from slurmft.cli import main
 from slurmft.db import Database
 from slurmft.db.models import Event, EventKind, FaultClass, Run
 from slurmft.db.states import RunState
+from tests.support.cli import run_cli
 
 REPO = Path(__file__).resolve().parents[2]
 
-
-def _run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    try:
-        main(list(argv))
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else 1
-    else:
-        code = 0
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 @pytest.fixture
@@ -44,7 +34,7 @@ def test_config_show_json_says_where_values_come_from(
     conf = isolated_env / "c.toml"
     conf.write_text('[daemon]\npoll_interval_s = 2.5\n')
     monkeypatch.setenv("SLURMFT_CONFIG", str(conf))
-    code, out, _ = _run_cli(capsys, "--set", "log.format=json", "config", "show", "--json")
+    code, out, _ = run_cli(capsys, "--set", "log.format=json", "config", "show", "--json")
     assert code == 0
     data = json.loads(out)
     settings = data["settings"]
@@ -59,7 +49,7 @@ def test_bad_config_is_one_clear_line_and_exit_2(
     isolated_env: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("SLURMFT_DAEMON_POLL_INTERVAL_S", "often")
-    code, out, err = _run_cli(capsys, "config", "show")
+    code, out, err = run_cli(capsys, "config", "show")
     assert code == 2 and out == ""
     assert err.startswith("slurmft: error: bad value for daemon.poll_interval_s")
     assert "Traceback" not in err
@@ -68,17 +58,17 @@ def test_bad_config_is_one_clear_line_and_exit_2(
 def test_db_commands_and_history(
     isolated_env: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    code, _, err = _run_cli(capsys, "db", "check")
+    code, _, err = run_cli(capsys, "db", "check")
     assert code == 1 and "run `slurmft db upgrade`" in err
-    code, _, err = _run_cli(capsys, "history", "show", "node_lemons", "--store")
+    code, _, err = run_cli(capsys, "history", "show", "node_lemons", "--store")
     assert code == 1 and "run `slurmft db upgrade`" in err
 
-    code, out, _ = _run_cli(capsys, "db", "upgrade")
+    code, out, _ = run_cli(capsys, "db", "upgrade")
     assert code == 0 and "(empty) -> " in out
-    code, out, _ = _run_cli(capsys, "db", "current", "--json")
+    code, out, _ = run_cli(capsys, "db", "current", "--json")
     status = json.loads(out)
     assert status["at_head"] is True and status["current"] == status["head"]
-    assert _run_cli(capsys, "db", "check")[0] == 0
+    assert run_cli(capsys, "db", "check")[0] == 0
 
     database = Database(f"sqlite:///{isolated_env}/state/slurmft.db")
     with database.session() as s:
@@ -89,18 +79,18 @@ def test_db_commands_and_history(
         s.add(Event(run_id="r1", kind=EventKind.GPU_FAULT, node="n4", xid=79,
                     fault_class=FaultClass.HARDWARE, time_lost_s=90.0))
     database.dispose()
-    code, out, _ = _run_cli(capsys, "history", "show", "failures_by_node", "--json", "--store")
+    code, out, _ = run_cli(capsys, "history", "show", "failures_by_node", "--json", "--store")
     assert code == 0
     rows = json.loads(out)
     assert [(r["node"], r["xid"], r["failures"]) for r in rows] == [("n4", 79, 1)]
-    code, out, _ = _run_cli(capsys, "history", "show", "run_failures", "--run", "r1", "--store")
+    code, out, _ = run_cli(capsys, "history", "show", "run_failures", "--run", "r1", "--store")
     assert code == 0 and "llama" in out and "90.000" in out
-    code, _, err = _run_cli(capsys, "history", "show", "nope")
+    code, _, err = run_cli(capsys, "history", "show", "nope")
     assert code == 1 and "choose one of" in err
 
 
 def test_help_explains_every_group(capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, _ = _run_cli(capsys, "--help")
+    code, out, _ = run_cli(capsys, "--help")
     assert code == 0
     for group in ("config", "db", "history"):
         assert group in out

@@ -8,13 +8,13 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from slurmft.cli import main
 from slurmft.db import Database
 from slurmft.db.history import planning_counts
 from slurmft.db.models import AllocationNode, Attempt, Event, EventKind, FaultClass, NodeRole, Run
 from slurmft.db.states import RunState
 from slurmft.sim.inputs import Hit
 from slurmft.sim.plan import StoreHistory, TooLittleHistory, rates_from_store
+from tests.support.cli import run_cli
 
 T0 = datetime(2026, 11, 1, tzinfo=UTC)
 NODES = 32
@@ -94,23 +94,13 @@ def test_plan_refuses_a_store_with_too_little_history(database: Database) -> Non
                          min_node_hours=10_000)  # fmt: skip
 
 
-def _cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    try:
-        main(list(argv))
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else 1
-    else:
-        code = 0
-    out, err = capsys.readouterr()
-    return code, out, err
-
 
 def test_plan_command_on_the_store(
     database: Database, store_url: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     store = f"database.url={store_url}"
     _seed(database, gpu=2, lost=1, hangs=0, crashes=0)
-    code, _, err = _cli(capsys, "--set", store, "plan", "--gpus", "512", "--store")
+    code, _, err = run_cli(capsys, "--set", store, "plan", "--gpus", "512", "--store")
     assert code != 0
     assert "slurmft: error: the store holds 3 failures" in err
     with database.session() as s:
@@ -124,7 +114,7 @@ def test_plan_command_on_the_store(
             )
             for k in range(30)
         )
-    code, out, err = _cli(capsys, "--set", store, "plan", "--gpus", "512", "--store",
+    code, out, err = run_cli(capsys, "--set", store, "plan", "--gpus", "512", "--store",
                           "--seeds", "2", "--days", "1", "--json", "--workers", "1")  # fmt: skip
     assert code == 0, err
     plan = json.loads(out)

@@ -8,18 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from slurmft.cli import main
-
-
-def _run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    try:
-        main(list(argv))
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else 1
-    else:
-        code = 0
-    out, err = capsys.readouterr()
-    return code, out, err
+from tests.support.cli import run_cli
 
 
 @pytest.fixture(autouse=True)
@@ -35,7 +24,7 @@ def isolated_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 def test_status_json_without_gpu_says_why_and_exits_zero(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    code, out, err = _run_cli(capsys, "gpu", "status", "--json")
+    code, out, err = run_cli(capsys, "gpu", "status", "--json")
     assert code == 0, err
     data = json.loads(out)
     if data["gpu_present"]:
@@ -52,7 +41,7 @@ def test_status_json_shows_injected_faults_and_their_classification(
     faults.write_text("xid=79,gpu=3\nxid=13,gpu=0\n{\"kind\": \"ecc_uncorrected\", \"gpu\": 1}\n"
                       "xid=4242,gpu=2\n")
     monkeypatch.setenv("SLURMFT_GPU_INJECT", str(faults))
-    code, out, err = _run_cli(capsys, "gpu", "status", "--json")
+    code, out, err = run_cli(capsys, "gpu", "status", "--json")
     assert code == 0, err
     data = json.loads(out)
     injected = [f for f in data["faults"] if f["source"] == "inject"]
@@ -70,17 +59,17 @@ def test_status_json_shows_injected_faults_and_their_classification(
 def test_status_text_names_the_verdict(capsys: pytest.CaptureFixture[str],
                                        monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SLURMFT_GPU_INJECT", "xid=13,gpu=0")
-    code, out, _ = _run_cli(capsys, "gpu", "status")
+    code, out, _ = run_cli(capsys, "gpu", "status")
     assert code == 0
     assert "restart_app GPU 0    Xid 13 graphics engine exception  [inject]" in out
     assert out.rstrip().endswith("verdict: restart_app")
     monkeypatch.setenv("SLURMFT_GPU_INJECT", "kind=gpu_lost,gpu=5")
-    _, out, _ = _run_cli(capsys, "--set", "gpu.dcgm=false", "gpu", "status")
+    _, out, _ = run_cli(capsys, "--set", "gpu.dcgm=false", "gpu", "status")
     assert "verdict: drain this node: slurmft: GPU is lost (GPU 5)" in out
 
 
 def test_gpu_group_is_in_the_help(capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, _ = _run_cli(capsys, "--help")
+    code, out, _ = run_cli(capsys, "--help")
     assert code == 0 and "gpu" in out
 
 
@@ -90,8 +79,8 @@ def test_since_boot_shows_older_kernel_log_xids(capsys: pytest.CaptureFixture[st
     log = isolated_env / "kernel-nvrm.log"  # what a site's root HealthCheckProgram writes
     log.write_text("[   12.500000] NVRM: Xid (PCI:0000:3b:00): 48, pid=7, DBE\n")
     monkeypatch.setenv("SLURMFT_GPU_KERNEL_LOG_FILE", str(log))
-    _, out, _ = _run_cli(capsys, "gpu", "status", "--json")
+    _, out, _ = run_cli(capsys, "gpu", "status", "--json")
     assert json.loads(out)["faults"] == []  # 12.5 s after boot is before this probe started
-    _, out, _ = _run_cli(capsys, "gpu", "status", "--json", "--since-boot")
+    _, out, _ = run_cli(capsys, "gpu", "status", "--json", "--since-boot")
     (fault,) = json.loads(out)["faults"]
     assert (fault["xid"], fault["pci_bus"], fault["source"]) == (48, "0000:3b:00", "file")

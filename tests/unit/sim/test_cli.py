@@ -6,23 +6,12 @@ import json
 
 import pytest
 
-from slurmft.cli import main
-
-
-def _cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    try:
-        main(list(argv))
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else 1
-    else:
-        code = 0
-    out, err = capsys.readouterr()
-    return code, out, err
+from tests.support.cli import run_cli
 
 
 @pytest.mark.parametrize("gpus", [512, 2048, 16384])
 def test_plan_answers_at_every_size(capsys: pytest.CaptureFixture[str], gpus: int) -> None:
-    code, out, err = _cli(capsys, "plan", "--gpus", str(gpus), "--days", "1", "--seeds", "2",
+    code, out, err = run_cli(capsys, "plan", "--gpus", str(gpus), "--days", "1", "--seeds", "2",
                           "--json")  # fmt: skip
     assert code == 0, err
     plan = json.loads(out)
@@ -44,7 +33,7 @@ def test_plan_answers_at_every_size(capsys: pytest.CaptureFixture[str], gpus: in
 
 
 def test_simulate_prints_the_table(capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, err = _cli(capsys, "simulate", "--gpus", "1024", "--days", "2", "--seeds", "3",
+    code, out, err = run_cli(capsys, "simulate", "--gpus", "1024", "--days", "2", "--seeds", "3",
                           "--spares", "0,4", "--workers", "1")  # fmt: skip
     assert code == 0, err
     lines = out.splitlines()
@@ -59,7 +48,7 @@ def test_any_input_can_be_set(capsys: pytest.CaptureFixture[str]) -> None:
     def ettr(*extra: str) -> float:
         argv = ["simulate", "--gpus", "2048", "--days", "2", "--seeds", "3",
                 "--strategies", "ladder", "--spares", "2", "--json", *extra]  # fmt: skip
-        code, out, err = _cli(capsys, *argv)
+        code, out, err = run_cli(capsys, *argv)
         assert code == 0, err
         return float(json.loads(out)["table"][0]["ettr"]["mean"])
 
@@ -68,7 +57,7 @@ def test_any_input_can_be_set(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_simulate_json_and_meta_like(capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, err = _cli(capsys, "simulate", "--gpus", "1024", "--days", "1", "--seeds", "2",
+    code, out, err = run_cli(capsys, "simulate", "--gpus", "1024", "--days", "1", "--seeds", "2",
                           "--meta-like", "--json")  # fmt: skip
     assert code == 0, err
     table = json.loads(out)["table"]
@@ -91,7 +80,7 @@ def test_simulate_json_and_meta_like(capsys: pytest.CaptureFixture[str]) -> None
 def test_bad_input_is_one_clear_line(
     capsys: pytest.CaptureFixture[str], argv: list[str], message: str
 ) -> None:
-    code, out, err = _cli(capsys, *argv)
+    code, out, err = run_cli(capsys, *argv)
     assert code != 0
     assert message in err + out
     assert "Traceback" not in err
