@@ -20,7 +20,6 @@ from slurmft.sim.engine import JobState, Simulation
 class RequeueOnly:
     def start(self, sim: Simulation) -> None:
         self.sim = sim
-        self._fixing = False
 
     def attempt_started(self, t: float) -> None:
         pass

@@ -339,9 +339,12 @@ class Simulation:
         self._epoch += 1
         self._schedule_checkpoint(self.now)
 
+    def straggling(self, t: float) -> bool:
+        """A straggler trains: the job runs at its pace."""
+        return any(self.partition[m].slow(t) for m in self.job.members)
+
     def _slowdown(self, t: float) -> float:
-        slow = any(self.partition[m].slow(t) for m in self.job.members)
-        return self.inputs.straggler_slowdown if slow else 0.0
+        return self.inputs.straggler_slowdown if self.straggling(t) else 0.0
 
     def _update_speed(self, t: float) -> None:
         slowdown = self._slowdown(t)

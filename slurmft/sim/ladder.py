@@ -77,7 +77,8 @@ class _Run:
     stored_count: int = 0
     progress_at: datetime | None = None
     recorded: dict[str, tuple[FaultClass | None, bool]] = field(default_factory=dict)
-    gpu_faults: list[tuple[float, str, int]] = field(default_factory=list)  # at, node, id
+    # The GPU faults reported in this attempt: (node, when) -> the report's event id.
+    gpu_faults: dict[tuple[str, float], int] = field(default_factory=dict)
 
 
 class Ladder:
@@ -106,10 +107,9 @@ class Ladder:
         self.sim.restart_round(t, self.sim.inputs.restart_in_place_s, "software")
 
     def hang(self, t: float) -> None:
-        self._watch(
-            t, self.sim.inputs.hang_deadline_s
-        )  # only the heartbeats' deadline can tell: the daemon's hang detector
-        # Unless torch's own watchdog ends the collective first (then torchrun restarts).
+        # Only the heartbeats' deadline can tell (the daemon's hang detector), unless torch's
+        # own watchdog ends the collective first (then torchrun restarts).
+        self._watch(t, self.sim.inputs.hang_deadline_s)
         self.sim.at(t + self.sim.inputs.nccl_timeout_s, self._watchdog, self.sim.job.id, t)
 
     def _watchdog(self, job_id: str, hung_at: float) -> None:
@@ -160,9 +160,9 @@ class Ladder:
 
     def _dead_peers(self, dead: set[str]) -> None:
         job = self.sim.job
-        if job.state not in ACTIVE or not dead & set(job.members):
-            return
-        self._reform(self.sim.now, dead & set(job.members), "node")
+        leaving = dead & set(job.members)
+        if job.state in ACTIVE and leaving:
+            self._reform(self.sim.now, leaving, "node")
 
     def _reform(self, t: float, leaving: set[str], blame: str) -> None:
         """``leaving`` leave the training: a new round with spares in their places, or, with
@@ -189,8 +189,7 @@ class Ladder:
             self._pass_at(t + offset + self.sim.inputs.poll_s)
 
     def _watch_stragglers(self, t: float) -> None:
-        job = self.sim.job
-        if any(self.sim.partition[m].slow(t) for m in job.members):
+        if self.sim.straggling(t):
             window = self.policy.straggler_window_s
             self._pass_at(t + window + window / self.policy.straggler_window_buckets)
 
@@ -236,7 +235,7 @@ class Ladder:
         run, job, sim = self.run, self.sim.job, self.sim
         assert run is not None
         if run.attempt != job.id:  # findings are counted per attempt (since its submission)
-            run.attempt, run.reported, run.gpu_faults = job.id, set(), []
+            run.attempt, run.reported, run.gpu_faults = job.id, set(), {}
         budget = RestartBudget(
             max_restarts_without_progress=self.policy.max_restarts_without_progress,
             restarts_without_progress=run.stored_count,
@@ -318,6 +317,8 @@ class Ladder:
             return ()
         init = state in (JobState.STARTING, JobState.RESTARTING)
         phase = "init" if init else "step"
+        # slurmft.train's init deadline (its DEFAULT_DEADLINES_S, which the simulator may not
+        # import: no training code here).
         deadline = 900.0 if init else sim.inputs.hang_deadline_s
         age = 0.0 if state is JobState.TRAINING else t - job.since
         # The global step: the time trained that a checkpoint holds and since (1 step = 1 s).
@@ -335,8 +336,7 @@ class Ladder:
         job, sim = self.sim.job, self.sim
         if job.state is not JobState.TRAINING:
             return ()
-        slow_members = [m for m in job.members if sim.partition[m].slow(t)]
-        if not slow_members:
+        if not sim.straggling(t):
             return ()
         buckets = self.policy.straggler_window_buckets
         width = self.policy.straggler_window_s / buckets
@@ -363,12 +363,12 @@ class Ladder:
                 continue
             if t < node.gpu_fault_at + sim.inputs.gpu_report_s:
                 continue
-            if not any(f[1] == name and f[0] == node.gpu_fault_at for f in run.gpu_faults):
+            if (name, node.gpu_fault_at) not in run.gpu_faults:
                 self._fault_ids += 1
-                run.gpu_faults.append((node.gpu_fault_at, name, self._fault_ids))
+                run.gpu_faults[(name, node.gpu_fault_at)] = self._fault_ids
         return tuple(
             GpuFault(name, FaultAction.DRAIN, "Xid 79 GPU fell off the bus (GPU 0)", 79, 0, ident)
-            for _, name, ident in run.gpu_faults
+            for (name, _), ident in run.gpu_faults.items()
         )
 
     def _evidence(self, run: _Run) -> RestartEvidence:

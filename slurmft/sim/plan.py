@@ -20,7 +20,7 @@ from typing import Any
 
 from slurmft.errors import SlurmftError
 from slurmft.sim.inputs import HOUR, FailureRates, Hit, Inputs, Strategy, daly_interval_s
-from slurmft.sim.report import Row, run_all, summarize
+from slurmft.sim.report import Row, over_seeds
 
 MIN_FAILURES = 20
 MIN_NODE_HOURS = 5000.0
@@ -119,7 +119,7 @@ class Plan:
 
     @property
     def spares(self) -> Choice:
-        return max(self.spare_choices, key=lambda c: (c.row.goodput.mean, -c.spares))
+        return max(self.spare_choices, key=_by_goodput)
 
     @property
     def interval(self) -> Choice:
@@ -156,6 +156,11 @@ class Plan:
         }
 
 
+def _by_goodput(choice: Choice) -> tuple[float, int]:
+    """The spare count to recommend: the best goodput, the fewer spares on a tie."""
+    return (choice.row.goodput.mean, -choice.spares)
+
+
 def _mtbf(rate: float, nodes: int) -> float:
     return math.inf if rate <= 0 else HOUR / (rate * nodes)
 
@@ -185,13 +190,13 @@ def make_plan(
     daly = daly_interval_s(cost, mtbf)
     young = math.sqrt(2 * cost * mtbf) if math.isfinite(mtbf) else math.inf
     spares = spare_candidates(base)
-    spare_rows = _rows(
+    spare_rows = over_seeds(
         [base.with_(spares=s, checkpoint_interval_s=daly) for s in spares], seeds, workers
     )
     spare_choices = [Choice(s, daly, r) for s, r in zip(spares, spare_rows, strict=True)]
-    best = max(spare_choices, key=lambda c: (c.row.goodput.mean, -c.spares)).spares
+    best = max(spare_choices, key=_by_goodput).spares
     intervals = [max(1.0, daly * f) for f in interval_factors]
-    interval_rows = _rows(
+    interval_rows = over_seeds(
         [base.with_(spares=best, checkpoint_interval_s=i) for i in intervals], seeds, workers
     )
     rates = base.rates
@@ -206,9 +211,3 @@ def make_plan(
             Choice(best, i, r) for i, r in zip(intervals, interval_rows, strict=True)
         ],
     )
-
-
-def _rows(settings: list[Inputs], seeds: int, workers: int) -> list[Row]:
-    runs = [s.with_(seed=s.seed + k) for s in settings for k in range(seeds)]
-    out = run_all(runs, workers)
-    return [summarize(out[i * seeds : (i + 1) * seeds]) for i in range(len(settings))]

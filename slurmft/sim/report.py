@@ -117,14 +117,8 @@ def strategies_table(
 ) -> list[Row]:
     """Every strategy at every spare count, each over ``seeds`` seeds (the same seeds for all,
     so that the partition and its lemons are the same across a row)."""
-    cells = [(st, sp) for st in strategies for sp in spares]
-    settings = [
-        base.with_(strategy=st, spares=sp, seed=base.seed + i)
-        for st, sp in cells
-        for i in range(seeds)
-    ]
-    out = run_all(settings, workers)
-    return [summarize(out[k * seeds : (k + 1) * seeds]) for k in range(len(cells))]
+    cells = [base.with_(strategy=st, spares=sp) for st in strategies for sp in spares]
+    return over_seeds(cells, seeds, workers)
 
 
 def sensitivity_table(
@@ -137,13 +131,22 @@ def sensitivity_table(
     """The base setting (strategy and spares as given) at each checkpoint cost (the interval
     Young/Daly's for it, unless fixed) and each multiple of every recovery time."""
     cells = [(c, r) for c in costs_s for r in recovery_scales]
-    settings = [
-        scaled(base.with_(checkpoint_cost_s=c, seed=base.seed + i), r)
-        for c, r in cells
-        for i in range(seeds)
-    ]
-    out = run_all(settings, workers)
-    return [summarize(out[k * seeds : (k + 1) * seeds], r) for k, (_, r) in enumerate(cells)]
+    settings = [scaled(base.with_(checkpoint_cost_s=c), r) for c, r in cells]
+    return over_seeds(settings, seeds, workers, [r for _, r in cells])
+
+
+def over_seeds(
+    settings: Sequence[Inputs],
+    seeds: int,
+    workers: int = 1,
+    recovery_scales: Sequence[float] | None = None,
+) -> list[Row]:
+    """One row per setting, each over ``seeds`` seeds (its own and the next ones: the same
+    seeds for every setting, so the partition and its lemons are the same across rows)."""
+    runs = [s.with_(seed=s.seed + k) for s in settings for k in range(seeds)]
+    out = run_all(runs, workers)
+    scales = recovery_scales or [1.0] * len(settings)
+    return [summarize(out[i * seeds : (i + 1) * seeds], scales[i]) for i in range(len(settings))]
 
 
 def scaled(inputs: Inputs, factor: float) -> Inputs:
