@@ -114,6 +114,8 @@ def simulate(  # noqa: PLR0917 (typer: one parameter per option)
 
     try:
         chosen = [Strategy(s.strip()) for s in strategies.split(",") if s.strip()]
+        if not chosen:
+            raise ValueError(strategies)
     except ValueError:
         raise SlurmftError(
             f"--strategies: choose from {', '.join(s.value for s in Strategy)}; got {strategies!r}"

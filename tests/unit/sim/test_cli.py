@@ -70,6 +70,7 @@ def test_simulate_json_and_meta_like(capsys: pytest.CaptureFixture[str]) -> None
     [
         (["simulate", "--gpus", "100"], "--gpus 100 is not a whole number of 8-GPU nodes"),
         (["simulate", "--strategies", "ladder,magic"], "--strategies: choose from"),
+        (["simulate", "--strategies", ","], "--strategies: choose from"),
         (["simulate", "--spares", "0,x"], "--spares: expected comma-separated whole numbers"),
         (["plan"], "Missing option '--gpus'"),
         (["simulate", "--input", "warp_s=3"], "expected NAME=NUMBER with NAME one of"),
