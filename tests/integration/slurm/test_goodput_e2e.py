@@ -8,8 +8,11 @@ t(first completion of a step > S) - t(S) - the median step, S being the last ste
 before it; the replay is S minus the step resumed from, times the median step. The detection is
 from S to when the failure was struck (the test's clock), plus the time its detector is meant to
 take (none for a killed node, whose peers' collectives fail at once; `policy.silent_after_s` for
-a frozen rank); the restart (with any queue wait) is the rest. What the daemon recorded must be
-within max(2 s, 10 %) of each, and the run's effective ratio within 0.01.
+a frozen rank); the restart (with any queue wait) is the rest. A node kill lands somewhere while
+`slurm-cluster kill-node` runs (it lists the node's processes in /proc first, which takes longer
+on a busy machine): its strike is that window, and the truth of the detection and the restart
+are ranges with it. What the daemon recorded must be within max(2 s, 10 %) of each, and the
+run's effective ratio within 0.01; a miss prints the run's reports timed from S.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import statistics
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import UTC
 from pathlib import Path
 from typing import Any
 
@@ -99,17 +103,30 @@ def _wait_to_strike(run: SubmittedRun, after_step: int) -> None:
     )
 
 
-def _node_killed(cluster: Cluster, run: SubmittedRun) -> float:
-    """Kills an active node that is not the batch host; when it was struck."""
+@dataclass(frozen=True)
+class Strike:
+    """When a failure was struck: somewhere between ``began`` and ``landed`` (test's clock)."""
+
+    began: float
+    landed: float
+
+
+def _killed(cluster: Cluster, node: str) -> Strike:
+    began = time.time()
+    cluster.kill_node(node)
+    return Strike(began, time.time())
+
+
+def _node_killed(cluster: Cluster, run: SubmittedRun) -> Strike:
+    """Kills an active node that is not the batch host."""
     batch_host = cluster.client.job(run.job_id).batch_host
     victim = sorted(set(run.beating_nodes().values()) - {batch_host})[0]
-    struck = time.time()
-    cluster.kill_node(victim)
+    struck = _killed(cluster, victim)
     run.wait_replaced(victim)
     return struck
 
 
-def _rank_frozen(run: SubmittedRun) -> float:
+def _rank_frozen(run: SubmittedRun) -> Strike:
     pid = worker_pid(run, 1)
     struck = time.time()
     os.kill(pid, signal.SIGSTOP)
@@ -119,13 +136,11 @@ def _rank_frozen(run: SubmittedRun) -> float:
         bool,
         timeout_s=90,
     )
-    return struck
+    return Strike(struck, struck)
 
 
-def _batch_host_killed(cluster: Cluster, run: SubmittedRun) -> float:
-    batch_host = cluster.client.job(run.job_id).batch_host
-    struck = time.time()
-    cluster.kill_node(batch_host)
+def _batch_host_killed(cluster: Cluster, run: SubmittedRun) -> Strike:
+    struck = _killed(cluster, cluster.client.job(run.job_id).batch_host)
     wait_for_value(
         "the job requeued and running again",
         run.attempts,
@@ -139,6 +154,23 @@ def _recorded(run: SubmittedRun) -> list[Event]:
     """The outages' heads: the reports the daemon put each outage's cost on."""
     heads = run.events(Event.kind.in_(OUTAGES), Event.time_lost_s.is_not(None))
     return sorted((e for e in heads if e.time_lost_s), key=lambda e: e.occurred_at)
+
+
+def _span(bounds: tuple[float, float]) -> str:
+    low, high = bounds
+    return f"{low:.1f}" if high - low < 0.05 else f"{low:.1f} to {high:.1f}"
+
+
+def _timeline(run: SubmittedRun, truth: list[TrueLoss]) -> list[str]:
+    """The run's reports, each timed from the newest failure's S before it."""
+    lines = []
+    for event in sorted(run.events(), key=lambda e: e.occurred_at):
+        at = event.occurred_at.replace(tzinfo=UTC).timestamp()
+        s = max((t.last_step_at for t in truth if t.last_step_at <= at), default=None)
+        since = f"S+{at - s:.2f} s" if s is not None else "before S"
+        lines.append(f"{since}: {event.kind.value} from {event.source} {event.node or ''}: "
+                     f"{(event.message or '')[:100]}")  # fmt: skip
+    return lines
 
 
 def _span_behind_s(run: SubmittedRun) -> float:
@@ -178,21 +210,27 @@ def test_three_failures_cost_what_the_step_log_says(
     for true, event, at in zip(truth, recorded, struck, strict=True):
         assert true.lost_s >= 15, f"a failure cheaper than the test means: {true}"
         assert event.kind in DETECTOR_S, event.kind
-        detection = at - true.last_step_at + DETECTOR_S[event.kind]
-        restart = true.lost_s - detection - true.replay_s  # with any queue wait
+        # Each truth as (earliest, latest): the strike's window carried through.
+        detector_s = DETECTOR_S[event.kind]
+        detection = (at.began - true.last_step_at + detector_s,
+                     at.landed - true.last_step_at + detector_s)  # fmt: skip
+        rest = true.lost_s - true.replay_s
+        restart = (rest - detection[1], rest - detection[0])  # with any queue wait
         assert event.lost_restart_s is not None and event.lost_queue_wait_s is not None
         report.append(f"{event.kind.value}: recorded {event.time_lost_s:.1f} s (detection "
                       f"{event.lost_detection_s:.1f}, restart {event.lost_restart_s:.1f}, queue "
                       f"{event.lost_queue_wait_s:.1f}, replay {event.lost_replay_s:.1f}), true "
-                      f"{true.lost_s:.1f} s (detection {detection:.1f}, restart and queue "
-                      f"{restart:.1f}, replay {true.replay_s:.1f})")  # fmt: skip
-        for figure, truth_s in (
-            (event.time_lost_s, true.lost_s),
+                      f"{true.lost_s:.1f} s (detection {_span(detection)}, restart and queue "
+                      f"{_span(restart)}, replay {true.replay_s:.1f}); the strike took "
+                      f"{at.landed - at.began:.2f} s")  # fmt: skip
+        for figure, (low, high) in (
+            (event.time_lost_s, (true.lost_s, true.lost_s)),
             (event.lost_detection_s, detection),
             (event.lost_restart_s + event.lost_queue_wait_s, restart),
-            (event.lost_replay_s, true.replay_s),
+            (event.lost_replay_s, (true.replay_s, true.replay_s)),
         ):
-            assert figure == pytest.approx(truth_s, abs=max(2.0, 0.1 * truth_s)), report
+            margin = max(2.0, 0.1 * high)
+            assert low - margin <= figure <= high + margin, [*report, *_timeline(run, truth)]
         assert event.time_lost_estimate is False
         assert event.details["goodput"]["last_step"] == true.last_step
     assert recorded[2].lost_queue_wait_s is not None and recorded[2].lost_queue_wait_s >= 0
