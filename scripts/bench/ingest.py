@@ -60,12 +60,13 @@ def bench(database: Database, *, ranks: int, steps_per_batch: int, batches: int)
 
 
 @contextmanager
-def postgres_server(url: str | None):
+def postgres_server(url: str | None, durable: bool = False):
+    """``url``, else a throwaway server's (durable: fsync and synchronous commit on)."""
     if url:
         yield url
         return
     pg_dir = Path(tempfile.mkdtemp(prefix="slurmft-bench-pg-"))
-    env = {**os.environ, "SLURMFT_PG_PORT": "55433"}
+    env = {**os.environ, "SLURMFT_PG_PORT": "55433", "SLURMFT_PG_DURABLE": "1" if durable else "0"}
     script = REPO / "scripts" / "postgres-throwaway"
     out = subprocess.run([str(script), "up", str(pg_dir)], check=True, capture_output=True,
                          text=True, env=env).stdout
