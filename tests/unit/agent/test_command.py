@@ -71,7 +71,8 @@ def test_spare_candidate_and_disabled_fix_reach_the_launcher() -> None:
 
 
 @pytest.mark.parametrize(
-    ("nodes", "poll_s"), [(1, 0.1), (4, 0.1), (20, 0.5), (40, 1.0), (2048, 1.0)]
+    ("nodes", "poll_s"),
+    [(1, 0.1), (4, 0.1), (32, 0.1), (33, 0.13), (48, 0.55), (64, 1.0), (2048, 1.0)],
 )
 def test_rendezvous_poll_lengthens_with_the_node_count_up_to_torchs_second(
     nodes: int, poll_s: float
