@@ -85,6 +85,9 @@ RUN_ID = "rload"
 # --- the agents ------------------------------------------------------------------------------
 
 
+Stream = tuple[asyncio.StreamReader, asyncio.StreamWriter]
+
+
 @dataclass
 class Agent:
     index: int
@@ -94,6 +97,7 @@ class Agent:
     seq: int = 0
     acked_seq: int = 0
     acked_until: float = 0.0  # the reports made up to this time are stored
+    stream: Stream | None = None  # its kept connection
 
 
 @dataclass
@@ -111,8 +115,8 @@ class Tally:
 class Load:
     """The agents of one run, posting to the daemon's ingest endpoint."""
 
-    def __init__(self, host: str, port: int, token: str, agents: int) -> None:
-        self.host, self.port = host, port
+    def __init__(self, host: str, port: int, token: str, agents: int, keep_alive: bool) -> None:
+        self.host, self.port, self.keep_alive = host, port, keep_alive
         self.head = (
             f"POST {BATCH_PATH} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: {CONTENT_TYPE}"
             f"\r\nAuthorization: Bearer {token}\r\n"
@@ -187,7 +191,7 @@ class Load:
         tries = 0
         while True:
             began = time.time()
-            status = await self.post(body)
+            status = await self.post(agent, body)
             self.tally.posts += 1
             if status == 200:
                 done = time.time()
@@ -209,36 +213,62 @@ class Load:
             await asyncio.sleep(RETRY_S[min(tries, len(RETRY_S) - 1)] * (0.5 + random.random()))
             tries += 1
 
-    async def post(self, body: bytes) -> int | str:
-        """One request on a new connection, as the agents' urllib does; the HTTP status, or
-        what went wrong."""
-        writer = None
-        try:
-            async with asyncio.timeout(REQUEST_TIMEOUT_S):
-                reader, writer = await asyncio.open_connection(self.host, self.port)
-                writer.write(self.head + b"Content-Length: %d\r\n\r\n" % len(body) + body)
-                await writer.drain()
-                status_line = await reader.readline()
-                length = 0
-                while (line := await reader.readline()) not in (b"\r\n", b"\n", b""):
-                    name, _, value = line.partition(b":")
-                    if name.strip().lower() == b"content-length":
-                        length = int(value)
-                reply = await reader.readexactly(length)
-                parts = status_line.split()
-                status = int(parts[1]) if len(parts) > 1 else "no-status"
-                if status != 200 and status not in self.tally.first_refusal:
-                    self.tally.first_refusal[status] = reply[:200].decode(errors="replace")
-                return status
-        except TimeoutError:
-            return "timeout"
-        except (OSError, asyncio.IncompleteReadError, ValueError) as error:
-            return type(error).__name__
-        finally:
-            if writer is not None:
-                writer.close()
-                with contextlib.suppress(OSError):
-                    await writer.wait_closed()
+    async def post(self, agent: Agent, body: bytes) -> int | str:
+        """One request: on the agent's kept connection (slurmft.agent.reporter's keep-alive;
+        once more on a new one if the daemon closed the kept one meanwhile), or on a new
+        connection per post (--connection per-post: the agents before keep-alive). The HTTP
+        status, or what went wrong."""
+        for attempt in (1, 2):
+            reused = agent.stream is not None
+            try:
+                async with asyncio.timeout(REQUEST_TIMEOUT_S):
+                    if agent.stream is None:
+                        agent.stream = await asyncio.open_connection(self.host, self.port)
+                    status, keep = await self._exchange(agent.stream, body)
+            except TimeoutError:
+                await self._close(agent)
+                return "timeout"
+            except (OSError, asyncio.IncompleteReadError, ValueError) as error:
+                await self._close(agent)
+                if reused and attempt == 1:
+                    continue
+                return type(error).__name__
+            if not (keep and self.keep_alive):
+                await self._close(agent)
+            return status
+        raise AssertionError("unreachable")
+
+    async def _exchange(self, stream: Stream, body: bytes) -> tuple[int | str, bool]:
+        reader, writer = stream
+        connection = b"" if self.keep_alive else b"Connection: close\r\n"
+        writer.write(self.head + connection + b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        await writer.drain()
+        status_line = await reader.readline()
+        if not status_line:
+            raise ConnectionResetError("closed before the reply")
+        length, keep = 0, status_line.startswith(b"HTTP/1.1")
+        while (line := await reader.readline()) not in (b"\r\n", b"\n", b""):
+            name, _, value = line.partition(b":")
+            name = name.strip().lower()
+            if name == b"content-length":
+                length = int(value)
+            elif name == b"connection" and value.strip().lower() == b"close":
+                keep = False
+        reply = await reader.readexactly(length)
+        parts = status_line.split()
+        status: int | str = int(parts[1]) if len(parts) > 1 else "no-status"
+        if status != 200 and status not in self.tally.first_refusal:
+            self.tally.first_refusal[status] = reply[:200].decode(errors="replace")
+        return status, keep
+
+    @staticmethod
+    async def _close(agent: Agent) -> None:
+        if agent.stream is not None:
+            _, writer = agent.stream
+            agent.stream = None
+            writer.close()
+            with contextlib.suppress(OSError):
+                await writer.wait_closed()
 
     def backlog(self) -> int:
         now = time.time()
@@ -526,6 +556,8 @@ class Ramp:
     agents: list[int]
     step_s: float  # each step but the last
     top_s: float  # the last
+    keep_alive: bool = True  # one connection per agent (False: one per post)
+    pin: bool = True  # generator and daemon on a CPU each
 
     def steps(self) -> Iterator[tuple[int, float]]:
         for i, agents in enumerate(self.agents):
@@ -552,8 +584,8 @@ async def _drive(load: Load, daemon: Daemon, ramp: Ramp, store: str) -> list[Res
     return results
 
 
-def bench_store(store: str, url: str, directory: Path, ramp: Ramp, pin: bool) -> None:
-    gen_cpu, daemon_cpu = _cpus() if pin else (None, None)
+def bench_store(store: str, url: str, directory: Path, ramp: Ramp) -> None:
+    gen_cpu, daemon_cpu = _cpus() if ramp.pin else (None, None)
     token = _seed_run(url, max(ramp.agents))
     # PostgreSQL's server beside the daemon: its backends, forked later, inherit the CPU.
     for pid in _postgres_pids() if store == "postgres" and daemon_cpu is not None else []:
@@ -561,7 +593,7 @@ def bench_store(store: str, url: str, directory: Path, ramp: Ramp, pin: bool) ->
             os.sched_setaffinity(pid, {daemon_cpu})
     with running_daemon(directory, url, daemon_cpu, postgres=store == "postgres") as daemon:
         _pin(gen_cpu)
-        load = Load(daemon.host, daemon.port, token, max(ramp.agents))
+        load = Load(daemon.host, daemon.port, token, max(ramp.agents), ramp.keep_alive)
         try:
             results = asyncio.run(_drive(load, daemon, ramp, store))
         finally:
@@ -569,7 +601,9 @@ def bench_store(store: str, url: str, directory: Path, ramp: Ramp, pin: bool) ->
         lost = load.unacked_at_end + _cursors_behind(url, load)
         for result in results:
             fields = " ".join(f"{k}={v}" for k, v in result.items() if k != "agents")
-            print(f"ingest_load store={store} agents={result['agents']} lost={lost} {fields}",
+            connection = "kept" if ramp.keep_alive else "per-post"
+            print(f"ingest_load store={store} connection={connection} agents={result['agents']} "
+                  f"lost={lost} {fields}",
                   flush=True)  # fmt: skip
         per_row = bytes_per_row(url)
         rows = " ".join(f"{t}={n}" for t, (n, _) in per_row.items())
@@ -597,12 +631,20 @@ def main() -> int:
     parser.add_argument("--top-s", type=float, default=600.0, help="seconds at the last step")
     parser.add_argument("--stores", default="sqlite,postgres")
     parser.add_argument(
+        "--connection",
+        choices=("kept", "per-post"),
+        default="kept",
+        help="kept: one connection per agent, as the agents keep it alive; per-post: a new one "
+        "for every post (the agents before keep-alive)",
+    )
+    parser.add_argument(
         "--no-pin", dest="pin", action="store_false", help="leave CPU placement to the kernel"
     )
     parser.add_argument("--keep", action="store_true", help="keep the daemon's files and log")
     parser.add_argument("--postgres-url", default=os.environ.get("SLURMFT_TEST_POSTGRES_URL"))
     args = parser.parse_args()
-    ramp = Ramp([int(n) for n in args.ramp.split(",")], args.step_s, args.top_s)
+    agents = [int(n) for n in args.ramp.split(",")]
+    ramp = Ramp(agents, args.step_s, args.top_s, args.connection == "kept", args.pin)
     stores = args.stores.split(",")
     if unknown := set(stores) - {"sqlite", "postgres"}:
         parser.error(f"unknown store {', '.join(sorted(unknown))} (sqlite, postgres)")
@@ -615,15 +657,13 @@ def main() -> int:
             if args.keep:
                 print(f"  {store}: the daemon's files are kept in {directory}", file=sys.stderr)
             if store == "sqlite":
-                bench_store(
-                    store, f"sqlite:///{directory / 'slurmft.db'}", directory, ramp, args.pin
-                )
+                bench_store(store, f"sqlite:///{directory / 'slurmft.db'}", directory, ramp)
                 continue
             with (
                 postgres_server(args.postgres_url, durable=True) as server,
                 fresh_postgres_database(server) as url,
             ):
-                bench_store(store, url, directory, ramp, args.pin)
+                bench_store(store, url, directory, ramp)
     return 0
 
 

@@ -19,13 +19,13 @@ from a frozen one by whether it still fetches them.
 
 from __future__ import annotations
 
+import http.client
 import logging
 import random
 import ssl
 import threading
 import time
-import urllib.error
-import urllib.request
+import urllib.parse
 import uuid
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -81,7 +81,12 @@ class CertificateError(RetryableError):
 
 class HttpTransport:
     """POST/GET JSON to the controller with the run's token (stdlib only). An https URL is
-    verified against ``ca_file`` (agent.ca_file), else the system's CAs."""
+    verified against ``ca_file`` (agent.ca_file), else the system's CAs.
+
+    One connection is kept between requests (HTTP/1.1 keep-alive): an agent posting once a
+    second costs the daemon a request a second, not a TCP connection a second. A kept
+    connection the daemon has closed meanwhile (it closes idle ones) is found out on the next
+    request, which is sent once more on a new connection: a batch is idempotent (its seq)."""
 
     def __init__(self, base_url: str, token: str, timeout_s: float = 5.0, ca_file: str = ""):
         self.base_url = base_url.rstrip("/")
@@ -91,43 +96,85 @@ class HttpTransport:
         self._context: ssl.SSLContext | None = None
         if self.base_url.startswith("https:"):
             self._context = ssl.create_default_context(cafile=ca_file or None)
+        url = urllib.parse.urlsplit(self.base_url)
+        if url.scheme not in ("http", "https") or not url.hostname:
+            raise ValueError(f"controller URL {base_url!r} is not http(s)://host[:port]")
+        self._host, self._port, self._prefix = url.hostname, url.port, url.path
+        self._conn: http.client.HTTPConnection | None = None
+        self._lock = threading.Lock()  # one request at a time on the kept connection
+
+    def close(self) -> None:
+        with self._lock:
+            self._drop()
+
+    def _drop(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+    def _connection(self) -> http.client.HTTPConnection:
+        if self._conn is None:
+            if self._context is not None:
+                self._conn = http.client.HTTPSConnection(
+                    self._host, self._port, timeout=self.timeout_s, context=self._context
+                )
+            else:
+                self._conn = http.client.HTTPConnection(
+                    self._host, self._port, timeout=self.timeout_s
+                )
+        return self._conn
+
+    def _exchange(self, path: str, body: bytes | None) -> tuple[int, bytes]:
+        """One request and its reply on the kept connection, sent again once on a new one when
+        the kept one turns out closed (nothing came back on it)."""
+        headers = {"Content-Type": CONTENT_TYPE, "Authorization": f"Bearer {self.token}"}
+        method = "POST" if body is not None else "GET"
+        for attempt in (1, 2):
+            reused = self._conn is not None
+            conn = self._connection()
+            try:
+                conn.request(method, self._prefix + path, body=body, headers=headers)
+                response = conn.getresponse()
+                data = response.read(MAX_BODY_BYTES)
+            except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError):
+                self._drop()
+                if reused and attempt == 1:
+                    continue  # closed by the daemon while kept: once more, on a new one
+                raise
+            except BaseException:
+                self._drop()
+                raise
+            if response.will_close:
+                self._drop()
+            return response.status, data
+        raise AssertionError("unreachable")
 
     def _request(self, path: str, body: bytes | None) -> bytes:
-        request = urllib.request.Request(
-            self.base_url + path,
-            data=body,
-            method="POST" if body is not None else "GET",
-            headers={"Content-Type": CONTENT_TYPE, "Authorization": f"Bearer {self.token}"},
-        )
         try:
-            with urllib.request.urlopen(
-                request, timeout=self.timeout_s, context=self._context
-            ) as response:
-                return bytes(response.read())
-        except urllib.error.HTTPError as error:
-            body = error.read(MAX_BODY_BYTES)
-            detail = body[:300].decode(errors="replace")
-            if error.code == 422:
-                try:
-                    refusal = RefusedItems.from_json(body)
-                except ProtocolError:
-                    pass
-                else:
-                    raise ItemsRejectedError(refusal.error, refusal.refused) from None
-            if 400 <= error.code < 500 and error.code not in (408, 429):
-                raise RejectedError(f"HTTP {error.code}: {detail}") from None
-            raise RetryableError(f"HTTP {error.code}: {detail}") from None
-        except urllib.error.URLError as error:
-            if isinstance(error.reason, ssl.SSLCertVerificationError):
-                raise CertificateError(
-                    f"the controller's TLS certificate at {self.base_url} is not trusted "
-                    f"({error.reason.verify_message}) by "
-                    f"{f'CA file {self.ca_file}' if self.ca_file else 'the system CAs'}: "
-                    f"set agent.ca_file (daemon.agents_ca_file) to the CA that signed it"
-                ) from None
-            raise RetryableError(str(error)) from None
-        except OSError as error:  # refused, reset, timed out
-            raise RetryableError(str(error)) from None
+            with self._lock:
+                status, reply = self._exchange(path, body)
+        except ssl.SSLCertVerificationError as error:
+            raise CertificateError(
+                f"the controller's TLS certificate at {self.base_url} is not trusted "
+                f"({error.verify_message}) by "
+                f"{f'CA file {self.ca_file}' if self.ca_file else 'the system CAs'}: "
+                f"set agent.ca_file (daemon.agents_ca_file) to the CA that signed it"
+            ) from None
+        except (OSError, http.client.HTTPException) as error:  # refused, reset, timed out
+            raise RetryableError(str(error) or type(error).__name__) from None
+        if status < 400:
+            return reply
+        detail = reply[:300].decode(errors="replace")
+        if status == 422:
+            try:
+                refusal = RefusedItems.from_json(reply)
+            except ProtocolError:
+                pass
+            else:
+                raise ItemsRejectedError(refusal.error, refusal.refused) from None
+        if 400 <= status < 500 and status not in (408, 429):
+            raise RejectedError(f"HTTP {status}: {detail}")
+        raise RetryableError(f"HTTP {status}: {detail}")
 
     def send_batch(self, batch: AgentBatch) -> BatchReply:
         reply = self._request(BATCH_PATH, batch.to_json())

@@ -5,7 +5,10 @@ idle connection or one that sends a byte a second costs a file descriptor and a 
 never a thread. The whole head must arrive within ``header_timeout_s`` of the accept (and no
 gap between bytes may exceed ``idle_timeout_s``), or the connection is refused and closed. A
 complete head goes to a pool of at most ``workers`` threads, started as needed; the worker
-answers it (reading a body within ``body_timeout_s``) and closes the connection. At most
+answers it (reading a body within ``body_timeout_s``) and closes the connection, or, where the
+protocol keeps it for the client's next request (HTTP keep-alive), hands it back to the selector
+thread: a kept connection waiting for its next request holds no thread either, and one idle for
+``idle_timeout_s`` is closed without a word (nothing was asked of it). At most
 ``max_connections`` connections are open at once; past that a new one gets its refusal at once
 (an HTTP 503 with Retry-After, the socket's JSON error) and is closed.
 
@@ -81,6 +84,8 @@ class Connection:
     body_deadline: float = 0.0  # set when a worker takes it (monotonic)
     # What the protocol learned at accept (the socket's peer uid).
     caller: dict[str, Any] = field(default_factory=dict)
+    # Kept after an answer, no byte of its next request yet: closed quietly when idle.
+    kept: bool = False
 
 
 class Protocol(TypingProtocol):
@@ -93,9 +98,10 @@ class Protocol(TypingProtocol):
     def refusal(self, reason: str, limits: ServerLimits) -> bytes:
         """What a refused connection is sent before it is closed."""
 
-    def serve(self, conn: Connection) -> None:
+    def serve(self, conn: Connection) -> bool:
         """Answer the request whose head is ``conn.buffer`` (on a worker thread, blocking; the
-        rest by ``conn.body_deadline``)."""
+        rest by ``conn.body_deadline``). True: keep the connection for the client's next
+        request (nothing of this one left unread); False: close it."""
 
 
 RefusalHook = Callable[[str, Connection], None]
@@ -132,6 +138,7 @@ class BoundedServer:
         self._open = 0  # every connection held: arriving, queued, or with a worker
         self._per_caller: dict[int, int] = {}
         self._work: queue.SimpleQueue[Connection | None] = queue.SimpleQueue()
+        self._kept: queue.SimpleQueue[Connection] = queue.SimpleQueue()  # back from workers
         self._workers: list[threading.Thread] = []
         self._idle = 0
         self._pending = 0
@@ -153,6 +160,8 @@ class BoundedServer:
         for conn in list(self._reading.values()):
             self._close(conn)
         self._reading.clear()
+        while not self._kept.empty():
+            self._close(self._kept.get())
         self._selector.close()
         self.listener.close()
         os.close(self._wake_r)
@@ -182,7 +191,8 @@ class BoundedServer:
                     self._accept()
                 elif key.data == "wake":
                     with contextlib.suppress(OSError):
-                        os.read(self._wake_r, 64)
+                        os.read(self._wake_r, 4096)
+                    self._take_back_kept()
                 else:
                     self._read(key.data)
             now = time.monotonic()
@@ -253,6 +263,9 @@ class BoundedServer:
                 return
             conn.buffer += data
             conn.last_byte_at = time.monotonic()
+            if conn.kept:  # its next request begins: the head's deadline runs from here
+                conn.kept = False
+                conn.accepted_at = conn.last_byte_at
             if self.protocol.head_complete(conn.buffer):
                 self._dispatch(conn)
                 return
@@ -263,6 +276,10 @@ class BoundedServer:
     def _sweep(self, now: float) -> None:
         header_s, idle_s = self.limits.header_timeout_s, self.limits.idle_timeout_s
         for conn in list(self._reading.values()):
+            if conn.kept:
+                if now >= conn.last_byte_at + idle_s:
+                    self._drop(conn)
+                continue
             if now >= conn.accepted_at + header_s:
                 self._refuse(conn, Reason.HEADER_TIMEOUT)
             elif now >= conn.last_byte_at + idle_s:
@@ -340,17 +357,47 @@ class BoundedServer:
                 if conn is not None:
                     self._close(conn)
                 return
+            keep = False
             try:
                 conn.sock.setblocking(True)
                 conn.sock.settimeout(self.limits.body_timeout_s)
                 conn.body_deadline = time.monotonic() + self.limits.body_timeout_s
-                self.protocol.serve(conn)
+                keep = self.protocol.serve(conn) and not self._stopping.is_set()
             except Exception:
                 log.exception("%s: serving a request failed", self.name)
             finally:
-                with contextlib.suppress(OSError):
-                    conn.sock.shutdown(socket.SHUT_RDWR)
+                if keep and self._keepable(conn):
+                    self._keep(conn)
+                else:
+                    with contextlib.suppress(OSError):
+                        conn.sock.shutdown(socket.SHUT_RDWR)
+                    self._close(conn)
+
+    @staticmethod
+    def _keepable(conn: Connection) -> bool:
+        # TLS may hold bytes it decrypted already, which the selector would never see.
+        return not isinstance(conn.sock, ssl.SSLSocket) or conn.sock.pending() == 0
+
+    def _keep(self, conn: Connection) -> None:
+        """Hand an answered connection back to the selector thread for its next request."""
+        now = time.monotonic()
+        conn.buffer = bytearray()
+        conn.kept, conn.accepted_at, conn.last_byte_at = True, now, now
+        conn.sock.setblocking(False)
+        self._kept.put(conn)
+        with contextlib.suppress(OSError):
+            os.write(self._wake_w, b"k")
+
+    def _take_back_kept(self) -> None:
+        while not self._kept.empty():
+            conn = self._kept.get()
+            fd = conn.sock.fileno()
+            try:
+                self._selector.register(conn.sock, selectors.EVENT_READ, conn)
+            except (OSError, ValueError, KeyError):  # closed meanwhile
                 self._close(conn)
+                continue
+            self._reading[fd] = conn
 
 
 class DeadlineReader(io.RawIOBase):
@@ -361,11 +408,19 @@ class DeadlineReader(io.RawIOBase):
         self._prefix = memoryview(prefix)
         self._sock = sock
         self._deadline = deadline
+        self._ended = False
 
     def readable(self) -> bool:
         return True
 
+    def end(self) -> int:
+        """Read nothing more from the socket; how many bytes of the prefix were never read."""
+        self._ended = True
+        return len(self._prefix)
+
     def readinto(self, buffer: Any) -> int:
+        if self._ended:
+            return 0
         if self._prefix:
             n = min(len(buffer), len(self._prefix))
             buffer[:n] = self._prefix[:n]
@@ -394,7 +449,8 @@ class SocketWriter(io.BufferedIOBase):
 
 class BoundedHTTPHandler(BaseHTTPRequestHandler):
     """A request handler served by ``BoundedServer``: its head was read by the selector thread,
-    its body is read by the connection's deadline, and it answers one request per connection."""
+    its body is read by the connection's deadline, and it answers one request; the connection
+    is then closed, or kept for the next one (see ``HttpProtocol``)."""
 
     request: Connection
     server_version = "slurmft"
@@ -402,12 +458,21 @@ class BoundedHTTPHandler(BaseHTTPRequestHandler):
     def setup(self) -> None:
         conn = self.request
         self.connection = conn.sock
-        reader = DeadlineReader(bytes(conn.buffer), conn.sock, conn.body_deadline)
-        self.rfile = io.BufferedReader(reader)
+        self._reader = DeadlineReader(bytes(conn.buffer), conn.sock, conn.body_deadline)
+        self._buffered = io.BufferedReader(self._reader)
+        self.rfile = self._buffered
         self.wfile = SocketWriter(conn.sock)
+
+    def handle(self) -> None:
+        self.handle_one_request()  # one: the next waits in the selector, holding no thread
 
     def finish(self) -> None:
         pass
+
+    def all_read(self) -> bool:
+        """Whether every byte received was part of the request answered (a client that sent
+        its next request before this answer, pipelining, gets its connection closed)."""
+        return self._reader.end() == 0 and not self._buffered.peek(0)
 
 
 _HTTP_REFUSALS = {
@@ -437,10 +502,14 @@ def http_reply(status: HTTPStatus, message: str, headers: dict[str, str] | None 
 
 
 class HttpProtocol:
-    """HTTP/1.x, one request per connection, answered by ``handler``."""
+    """HTTP/1.x answered by ``handler``: one request per connection, or with ``keep_alive`` the
+    client's HTTP/1.1 keep-alive honoured (a connection per client for as long as it posts
+    more often than ``idle_timeout_s``, instead of a TCP connection per request)."""
 
-    def __init__(self, handler: type[BoundedHTTPHandler]) -> None:
+    def __init__(self, handler: type[BoundedHTTPHandler], keep_alive: bool = False) -> None:
         self.handler = handler
+        if keep_alive:
+            self.handler = type(handler.__name__, (handler,), {"protocol_version": "HTTP/1.1"})
 
     def accepted(self, conn: Connection) -> None:
         pass
@@ -457,8 +526,9 @@ class HttpProtocol:
             message += f" ({limits.header_timeout_s:g} s)"
         return http_reply(status, message)
 
-    def serve(self, conn: Connection) -> None:
-        self.handler(conn, conn.peer, self)  # type: ignore[arg-type]  # socketserver's request
+    def serve(self, conn: Connection) -> bool:
+        handler = self.handler(conn, conn.peer, self)  # type: ignore[arg-type]  # its request
+        return not handler.close_connection and handler.all_read()
 
 
 def tcp_listener(host: str, port: int) -> socket.socket:

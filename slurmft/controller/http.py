@@ -2,12 +2,13 @@
 bad request.
 
 The connections are served by ``BoundedServer`` (controller.bounded): one selector thread reads
-every request's head with a deadline, so idle and slow clients hold no thread, and at most
-``daemon.ingest_workers`` threads answer complete requests. A request's token is checked from
-its headers, and its Content-Length bounded, before a byte of its body is read: an unknown
-token is a 401 and its body is never read. Request threads only check and parse; one writer
-stores the batches that arrive together in one transaction (controller.group_commit) and each
-request is answered once its batch is committed. Every request is answered with JSON.
+every request's head with a deadline, so idle and slow clients hold no thread (nor does an
+agent's kept-alive connection between its posts: a connection per agent, not one per post), and
+at most ``daemon.ingest_workers`` threads answer complete requests. A request's token is
+checked from its headers, and its Content-Length bounded, before a byte of its body is read:
+an unknown token is a 401 and its body is never read. Request threads only check and parse;
+one writer stores the batches that arrive together in one transaction (controller.group_commit)
+and each request is answered once its batch is committed. Every request is answered with JSON.
 """
 
 from __future__ import annotations
@@ -193,7 +194,7 @@ class IngestServer:
         self.tls = tls
         self.server = BoundedServer(
             tcp_listener(host, port),
-            HttpProtocol(handler),
+            HttpProtocol(handler, keep_alive=True),
             limits,
             "slurmft-ingest",
             on_refusal=on_connection_refused,

@@ -91,7 +91,7 @@ class _RpcProtocol:
         }.get(reason, "refused")
         return _reply_line({"ok": False, "error": error})
 
-    def serve(self, conn: Connection) -> None:
+    def serve(self, conn: Connection) -> bool:
         try:
             request = _parse_request(bytes(conn.buffer))
             operation = self.operations.get(request["op"])
@@ -107,6 +107,7 @@ class _RpcProtocol:
             log.exception("rpc request failed")
             reply = {"ok": False, "error": "internal error in the daemon; see its log"}
         conn.sock.sendall(_reply_line(reply))
+        return False  # one request per connection
 
 
 def _parse_request(data: bytes) -> dict[str, Any]:

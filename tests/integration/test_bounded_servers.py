@@ -330,6 +330,53 @@ def test_a_body_that_does_not_arrive_is_cut_off_at_the_body_timeout(
         )
 
 
+def test_an_agent_posts_on_one_kept_connection_closed_quietly_once_idle(
+    ingest: IngestServer, token: str, refusals: tuple[Refusals, Counter]
+) -> None:
+    transport = HttpTransport(ingest.url, token)
+    for seq in (1, 2, 3):
+        assert transport.send_batch(AgentBatch.from_json(_batch(seq))).acked_seq == seq
+        time.sleep(LIMITS.idle_timeout_s / 4)
+        # Kept between posts (a connection per post would be closed by now), by no thread.
+        assert ingest.server.open_connections == 1
+    assert ingest.server.worker_threads <= LIMITS.workers
+    # Idle past idle_timeout_s: closed without a word, and no refusal counted.
+    wait_for(lambda: ingest.server.open_connections == 0, 10, "the idle kept connection closed")
+    assert transport.send_batch(AgentBatch.from_json(_batch(4))).acked_seq == 4
+    assert refusals[1].labels("ingest", "idle_timeout")._value.get() == 0
+    transport.close()
+
+
+def test_kept_connections_hold_no_thread_between_posts(ingest: IngestServer, token: str) -> None:
+    before = threading.active_count()
+    transports = [HttpTransport(ingest.url, token) for _ in range(IDLE)]
+    for seq, transport in enumerate(transports, 1):
+        transport.send_batch(AgentBatch.from_json(_batch(seq)))
+    assert ingest.server.open_connections == IDLE
+    assert threading.active_count() - before <= LIMITS.workers + 2
+    for transport in transports:
+        transport.close()
+
+
+def test_a_client_that_asks_for_close_or_pipelines_gets_its_connection_closed(
+    ingest: IngestServer, token: str
+) -> None:
+    status, _ = _post(ingest.url, _batch(1), token, {"Connection": "close"})
+    assert status == 200
+    wait_for(lambda: ingest.server.open_connections == 0, 5, "the connection closed")
+    # Two requests sent at once: the first answered, then the connection closed, the second
+    # never parsed from what was read with the first (the client sends it again).
+    head = (f"POST {BATCH_PATH} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {token}\r\n"
+            "Content-Length: {}\r\n\r\n")  # fmt: skip
+    bodies = [_batch(2), _batch(3)]
+    with _connect_tcp(ingest.url) as sock:
+        sock.sendall(b"".join(head.format(len(b)).encode() + b for b in bodies))
+        said = b""
+        while chunk := sock.recv(65536):
+            said += chunk
+    assert said.startswith(b"HTTP/1.1 200") and said.count(b"HTTP/1.1") == 1, said
+
+
 def _certificate(directory: Path, name: str) -> tuple[Path, Path]:
     cert, key = directory / f"{name}.pem", directory / f"{name}.key"
     subprocess.run(
