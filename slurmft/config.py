@@ -617,7 +617,11 @@ class AgentSection(Section):
         "to reproduce the defect.",
     )
     report_interval_s: float = setting_field(
-        1.0, "How often an agent sends a batch of rank reports (events go at once).", minimum=0.05
+        1.0,
+        "How often an agent sends a batch of rank reports (events go at once). The agents of a "
+        "run of more than 1,024 nodes send less often, so that the run sends at most 1,024 "
+        "batches a second (what the daemon's ingest was measured to keep up with).",
+        minimum=0.05,
     )
     report_buffer_max: int = setting_field(
         10_000,

@@ -1,26 +1,31 @@
 #!/usr/bin/env python3
 """The daemon's ingest under a large run's load: simulated agents through the real HTTP server.
 
-A real `slurmft daemon` (its ingest server, group commit, detectors, retention and goodput
-passes; Slurm unreachable, as it may be) serves one running run of up to 2,048 nodes on a fresh
-store. This process is the run's agents, written with asyncio: each posts one batch a second
-with what its node's 8 ranks produced meanwhile at the shipped cadences (a heartbeat per rank
-every 5 s, slurmft.train's default; a step every 10 s with the step times of all 8 ranks), the
-way slurmft.agent.reporter does: a batch not acknowledged is sent again (same seq) after a
-back-off, and the reports made meanwhile wait for the next one. The bodies are encoded ahead of
-time, the sequence number and times patched in per post.
+A real `slurmft daemon` (its ingest server, group commit, retention and goodput passes; Slurm
+unreachable, so its control pass is skipped: scripts/bench/controller.py measures that) serves
+one running run of up to 2,048 nodes on a fresh store. This process is the run's agents, written
+with asyncio: each posts a batch every report interval with what its node's 8 ranks produced
+meanwhile at the shipped cadences (a heartbeat per rank every 5 s, slurmft.train's default; a
+step every 10 s with the step times of all 8 ranks), the way slurmft.agent.reporter does: on one
+kept connection (HTTP keep-alive; --connection per-post: a new one each time, as the agents did
+before), at the interval slurmft's agents use in a run of that many nodes (once a second up to
+1,024, less often beyond: slurmft.agent.reporter.report_interval_s; --post-every-s fixes it). A
+batch not acknowledged is sent again (same seq) after a back-off, and the reports made
+meanwhile wait for the next one. The bodies are encoded ahead of time, the sequence number and
+times patched in per post.
 
 The generator is pinned to CPU 0 and the daemon (and PostgreSQL's server) to CPU 1. The agents
 ramp 256 -> 512 -> 1,024 -> 2,048, a minute per step and --top-s at the top, on SQLite and
 PostgreSQL, with the retention windows shortened to minutes so the folding of raw step times
 runs inside the measurement. Per store and step it prints
 
-    ingest_load store=S agents=N lost=0 ack_p99_ms=X commit_lag_p99_s=X daemon_cpu_pct=X
-        store_cpu_pct=X gen_cpu_pct=X backlog_growth_per_min=X keeps_up=yes|no
+    ingest_load store=S connection=C agents=N lost=0 post_every_s=X ack_p99_ms=X
+        commit_lag_p99_s=X daemon_cpu_pct=X store_cpu_pct=X gen_cpu_pct=X posts_per_s=X
+        backlog_growth_per_min=X keeps_up=yes|no
 
-ack: one request's round trip (connect, send, the reply after the group commit); commit lag:
-from when a batch was due to go (its agent's once-a-second post) to when it was acknowledged,
-stored: its ack when on time, more when it waited for an earlier batch or was refused and sent
+ack: one request's round trip (send, the reply after the group commit); commit lag: from when
+a batch was due to go (its agent's next post) to when it was acknowledged, stored: its ack when
+on time, more when it waited for an earlier batch or was refused and sent
 again (the second an agent holds reports to batch them is its own, not the daemon's); the
 backlog: reports made and not yet acknowledged, sampled each second; its growth is the slope of
 a least-squares line over the step's last 5 minutes (or all of a shorter step). Keeps up: commit
@@ -62,12 +67,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from ingest import fresh_postgres_database, postgres_server  # noqa: E402
 
+from slurmft.agent.reporter import report_interval_s  # noqa: E402
+from slurmft.config import AgentSection  # noqa: E402
 from slurmft.protocol import BATCH_PATH, CONTENT_TYPE, PROTOCOL_VERSION  # noqa: E402
 
 RANKS_PER_NODE = 8
 HEARTBEAT_EVERY_S = 5.0  # slurmft.train.heartbeat's default interval
 STEP_EVERY_S = 10.0
-POST_EVERY_S = 1.0  # agent.report_interval_s
 REPORTS_PER_AGENT_S = RANKS_PER_NODE * (1 / HEARTBEAT_EVERY_S + 1 / STEP_EVERY_S)
 RETRY_S = (0.5, 1.0, 2.0, 4.0)  # back-off between tries of one batch (the reporter's shape)
 REQUEST_TIMEOUT_S = 30.0
@@ -78,6 +84,8 @@ SHORT_RETENTION = {
     "SLURMFT_RETENTION_STEP_TIMES_RAW_HOURS": "0.05",  # 3 minutes
     "SLURMFT_RETENTION_HEARTBEAT_HISTORY_HOURS": "0.05",
 }
+# --set daemon.KEY=VALUE: a daemon setting for this run, as its environment variable.
+DAEMON_SETTINGS: dict[str, str] = {}
 SHIPPED_RAW_STEP_HOURS, SHIPPED_SAMPLE_HOURS, SHIPPED_SAMPLE_S = 6.0, 24.0, 60.0
 RUN_ID = "rload"
 
@@ -112,11 +120,29 @@ class Tally:
     posts: int = 0
 
 
+@dataclass(frozen=True)
+class Ramp:
+    agents: list[int]
+    step_s: float  # each step but the last
+    top_s: float  # the last
+    keep_alive: bool = True  # one connection per agent (False: one per post)
+    pin: bool = True  # generator and daemon on a CPU each
+    # Each agent's report interval; None: what slurmft's agents use in a run of each step's size.
+    post_every_s: float | None = None
+
+    def steps(self) -> Iterator[tuple[int, float]]:
+        for i, agents in enumerate(self.agents):
+            yield agents, self.top_s if i == len(self.agents) - 1 else self.step_s
+
+
 class Load:
     """The agents of one run, posting to the daemon's ingest endpoint."""
 
-    def __init__(self, host: str, port: int, token: str, agents: int, keep_alive: bool) -> None:
-        self.host, self.port, self.keep_alive = host, port, keep_alive
+    def __init__(self, host: str, port: int, token: str, ramp: Ramp) -> None:
+        self.host, self.port = host, port
+        self.keep_alive, self.ramp = ramp.keep_alive, ramp
+        self.post_every_s = 1.0  # set for each step of the ramp
+        agents = max(ramp.agents)
         self.head = (
             f"POST {BATCH_PATH} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: {CONTENT_TYPE}"
             f"\r\nAuthorization: Bearer {token}\r\n"
@@ -171,7 +197,7 @@ class Load:
         loop = asyncio.get_running_loop()
         to_wall = time.time() - loop.time()
         agent.acked_until = since = time.time()
-        slot = loop.time() + agent.phase_s  # the agent's next once-a-second post
+        slot = loop.time() + agent.phase_s * self.post_every_s  # its next post
         while not self.stopping:
             await asyncio.sleep(max(slot - loop.time(), 0.0))
             if self.stopping:
@@ -184,7 +210,7 @@ class Load:
             # The batch covered every slot up to when it went; one that went late (or waited
             # for its ack) is followed at once by one with what accrued meanwhile.
             while slot <= began:
-                slot += POST_EVERY_S
+                slot += self.post_every_s
 
     async def deliver(self, agent: Agent, body: bytes, due: float) -> None:
         """Post until acknowledged (the reporter's retry: same seq, back-off)."""
@@ -346,6 +372,9 @@ async def ramp_step(load: Load, daemon: Daemon, agents: int, seconds: float,
     for agent in load.grow_to(agents):
         tasks.append(asyncio.create_task(load.run_agent(agent)))
     load.tally = Tally()
+    load.post_every_s = load.ramp.post_every_s or report_interval_s(
+        AgentSection.report_interval_s, agents
+    )
     daemon_cpu0, store_cpu0 = _cpu_s([daemon.proc.pid]), _cpu_s(daemon.store_pids())
     gen_cpu0 = _self_cpu_s()
     began = time.monotonic()
@@ -365,6 +394,7 @@ async def ramp_step(load: Load, daemon: Daemon, agents: int, seconds: float,
     grew = growth * min(wall, GROWTH_WINDOW_S) / 60.0
     return {
         "agents": agents,
+        "post_every_s": load.post_every_s,
         "ack_p99_ms": round(_p99(tally.acks_ms), 1),
         "ack_p50_ms": round(statistics.median(tally.acks_ms), 1) if tally.acks_ms else "nan",
         "commit_lag_p99_s": round(lag, 3),
@@ -441,6 +471,7 @@ def running_daemon(directory: Path, url: str, cpu: int | None, postgres: bool) -
         "SLURMFT_SLURM_CONF": str(directory / "no-slurm.conf"),  # Slurm away: ingest only
         "SLURM_CONF": str(directory / "no-slurm.conf"),
         **SHORT_RETENTION,
+        **DAEMON_SETTINGS,
     }
     log = (directory / "daemon.log").open("wb")
     proc = subprocess.Popen(
@@ -551,19 +582,6 @@ def _cursors_behind(url: str, load: Load) -> int:
     return sum(1 for a in load.agents[: load.active] if rows.get(a.agent_id, 0) < a.acked_seq)
 
 
-@dataclass(frozen=True)
-class Ramp:
-    agents: list[int]
-    step_s: float  # each step but the last
-    top_s: float  # the last
-    keep_alive: bool = True  # one connection per agent (False: one per post)
-    pin: bool = True  # generator and daemon on a CPU each
-
-    def steps(self) -> Iterator[tuple[int, float]]:
-        for i, agents in enumerate(self.agents):
-            yield agents, self.top_s if i == len(self.agents) - 1 else self.step_s
-
-
 async def _drive(load: Load, daemon: Daemon, ramp: Ramp, store: str) -> list[Result]:
     tasks: list[asyncio.Task[None]] = []
     results = []
@@ -593,7 +611,7 @@ def bench_store(store: str, url: str, directory: Path, ramp: Ramp) -> None:
             os.sched_setaffinity(pid, {daemon_cpu})
     with running_daemon(directory, url, daemon_cpu, postgres=store == "postgres") as daemon:
         _pin(gen_cpu)
-        load = Load(daemon.host, daemon.port, token, max(ramp.agents), ramp.keep_alive)
+        load = Load(daemon.host, daemon.port, token, ramp)
         try:
             results = asyncio.run(_drive(load, daemon, ramp, store))
         finally:
@@ -638,13 +656,39 @@ def main() -> int:
         "for every post (the agents before keep-alive)",
     )
     parser.add_argument(
+        "--post-every-s",
+        type=float,
+        default=None,
+        help="each agent's report interval (default: what slurmft.agent gives a run of the "
+        "ramp's last size)",
+    )
+    parser.add_argument(
         "--no-pin", dest="pin", action="store_false", help="leave CPU placement to the kernel"
+    )
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="a daemon setting for the run, e.g. daemon.ingest_workers=1024",
     )
     parser.add_argument("--keep", action="store_true", help="keep the daemon's files and log")
     parser.add_argument("--postgres-url", default=os.environ.get("SLURMFT_TEST_POSTGRES_URL"))
     args = parser.parse_args()
+    for setting in args.set:
+        key, sep, value = setting.partition("=")
+        if not sep or "." not in key:
+            parser.error(f"--set {setting!r}: expected SECTION.KEY=VALUE")
+        DAEMON_SETTINGS["SLURMFT_" + key.replace(".", "_").upper()] = value
     agents = [int(n) for n in args.ramp.split(",")]
-    ramp = Ramp(agents, args.step_s, args.top_s, args.connection == "kept", args.pin)
+    ramp = Ramp(
+        agents,
+        args.step_s,
+        args.top_s,
+        args.connection == "kept",
+        args.pin,
+        args.post_every_s or 1.0,
+    )
     stores = args.stores.split(",")
     if unknown := set(stores) - {"sqlite", "postgres"}:
         parser.error(f"unknown store {', '.join(sorted(unknown))} (sqlite, postgres)")

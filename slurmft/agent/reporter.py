@@ -58,6 +58,19 @@ from slurmft.protocol import (
 log = logging.getLogger(__name__)
 
 
+# Batches a second one run's agents may send together: the daemon's ingest keeps up with 1,024
+# a second on one core, on SQLite and PostgreSQL, and not with 2,048 (scripts/bench/ingest_load.py,
+# docs/operations.md "Ingest under load"). A larger run's agents send less often, each batch
+# carrying more: the same reports, fewer requests.
+MAX_RUN_BATCHES_PER_S = 1024
+
+
+def report_interval_s(configured_s: float, agents: int) -> float:
+    """How often each of a run's ``agents`` sends a batch: ``configured_s`` (agent.
+    report_interval_s), lengthened so that the run sends at most MAX_RUN_BATCHES_PER_S."""
+    return max(configured_s, agents / MAX_RUN_BATCHES_PER_S)
+
+
 class RetryableError(Exception):
     """The controller is away or failing: keep the batch and try again later."""
 

@@ -60,6 +60,16 @@ def resolve_nproc_per_node(value: str, environ: Mapping[str, str]) -> int:
     return int(value)
 
 
+def _step_agents(nodes: int) -> int:
+    """The agents of this step (one a node, spares included): Slurm's node count of the step,
+    else the training nodes."""
+    for name in ("SLURM_STEP_NUM_NODES", "SLURM_NNODES"):
+        value = os.environ.get(name, "")
+        if value.isascii() and value.isdigit() and int(value) > 0:
+            return int(value)
+    return nodes
+
+
 def _setup_logging(node: str, level: str) -> None:
     import logging
 
@@ -112,6 +122,7 @@ def run(  # noqa: PLR0917 (typer: one parameter per option)
     from slurmft.agent.batch import write_step_outcome
     from slurmft.agent.command import TorchrunSpec
     from slurmft.agent.probe import NodeGpuProbe
+    from slurmft.agent.reporter import report_interval_s
     from slurmft.gpu.probe import GpuProbe
 
     agent_section = config.settings.agent
@@ -138,7 +149,7 @@ def run(  # noqa: PLR0917 (typer: one parameter per option)
         controller_url=agent_section.controller_url,
         ca_file=agent_section.ca_file,
         token=token,
-        report_interval_s=agent_section.report_interval_s,
+        report_interval_s=report_interval_s(agent_section.report_interval_s, _step_agents(nodes)),
         max_buffered=agent_section.report_buffer_max,
         max_clock_skew_s=agent_section.max_clock_skew_s,
         stop_grace_s=agent_section.stop_grace_s,

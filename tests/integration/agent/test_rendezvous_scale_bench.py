@@ -1,5 +1,5 @@
 """The rendezvous-at-scale benchmark still runs: its small version (32 members, 2 processes,
-one leave, both polls). The figure itself (up to 256 members) comes from running
+one leave, both polls). The figure itself (32 to 128 members) comes from running
 scripts/bench/rendezvous_scale.py by hand (docs/agent.md, "The rendezvous at scale"); no timing
 goal is asserted here beyond sanity bounds."""
 

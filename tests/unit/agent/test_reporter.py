@@ -9,7 +9,14 @@ import pytest
 from support.fake_controller import FakeController
 from support.waiting import wait_for
 
-from slurmft.agent.reporter import HttpTransport, ReportBuffer, Reporter, backoff_s
+from slurmft.agent.reporter import (
+    MAX_RUN_BATCHES_PER_S,
+    HttpTransport,
+    ReportBuffer,
+    Reporter,
+    backoff_s,
+    report_interval_s,
+)
 from slurmft.protocol import (
     MAX_BATCH_EVENTS,
     AgentEvent,
@@ -210,3 +217,16 @@ def test_the_batch_steps_allocation_goes_at_once_and_alone(controller: FakeContr
         reporter.stop(flush_timeout_s=1)
     (batch,) = controller.accepted
     assert (batch.agent_id, batch.allocation, batch.events) == ("batch-step:7-abc", newer, ())
+
+
+@pytest.mark.parametrize(
+    ("configured_s", "agents", "expected_s"),
+    [(1.0, 4, 1.0), (1.0, 1024, 1.0), (1.0, 2048, 2.0), (1.0, 4096, 4.0), (5.0, 2048, 5.0),
+     (0.5, 512, 0.5), (0.5, 1024, 1.0)],
+)  # fmt: skip
+def test_a_large_runs_agents_report_less_often_so_the_run_sends_a_bounded_rate(
+    configured_s: float, agents: int, expected_s: float
+) -> None:
+    interval = report_interval_s(configured_s, agents)
+    assert interval == pytest.approx(expected_s)
+    assert agents / interval <= max(MAX_RUN_BATCHES_PER_S, agents / configured_s)
