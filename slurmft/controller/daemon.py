@@ -69,6 +69,7 @@ from slurmft.slurm.runner import SubprocessRunner
 log = logging.getLogger(__name__)
 
 RETENTION_INTERVAL_S = 300.0
+RETENTION_MINUTES_PER_PASS = 60  # (run, minute) folds; each is its own transaction
 GOODPUT_INTERVAL_S = 10.0  # a failure's cost is known within this of training being back
 REFUSAL_AUDIT_INTERVAL_S = 2.0
 
@@ -258,13 +259,20 @@ class Daemon:
         now = self.clock()
         raw_window = timedelta(hours=self.settings.retention.step_times_raw_hours)
         samples_window = timedelta(hours=self.settings.retention.heartbeat_history_hours)
+        folded = pruned = 0
         try:
+            # A minute of one run per transaction: the store's writer lock (SQLite's one) is
+            # held for one minute's fold at a time, and agents' reports commit in between.
+            for _ in range(RETENTION_MINUTES_PER_PASS):
+                with self.database.session() as session:
+                    minute = fold_step_times(session, now - raw_window, max_minutes=1)
+                if not minute:
+                    break
+                folded += minute
             with self.database.session() as session:
-                folded = fold_step_times(session, now - raw_window)
                 pruned = prune_heartbeat_samples(session, now - samples_window)
         except DatabaseUnavailable as exc:
-            log.warning("retention pass skipped: %s", exc)
-            return
+            log.warning("retention pass stopped: %s", exc)
         if folded:  # raw rows left the store: the held windows must not count them
             self.step_windows.invalidate()
         if folded or pruned:

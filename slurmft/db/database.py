@@ -36,6 +36,10 @@ class DatabaseUnavailable(DatabaseError):
     """The database server or file cannot be reached."""
 
 
+class DatabaseBusy(DatabaseUnavailable):
+    """SQLite's writer lock was held by another writer past the busy timeout: retry soon."""
+
+
 class SchemaOutOfDate(DatabaseError):
     """The schema is not at the revision this slurmft needs."""
 
@@ -164,6 +168,11 @@ class Database:
                     f"cannot reach the store at {self.describe()}: {_first_line(exc)}. "
                     f"Check database.url (`slurmft config show`) and that the server is running."
                 ) from exc
+            if "database is locked" in str(exc.orig).lower():
+                raise DatabaseBusy(
+                    f"the store at {self.describe()} is busy: another writer held it past "
+                    f"database.busy_timeout_ms; retry"
+                ) from exc
             raise
 
     # --- schema ---------------------------------------------------------------------------
@@ -256,6 +265,7 @@ def _first_line(exc: BaseException) -> str:
 
 __all__ = [
     "Database",
+    "DatabaseBusy",
     "DatabaseError",
     "DatabaseUnavailable",
     "SchemaOutOfDate",

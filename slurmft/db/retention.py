@@ -97,9 +97,19 @@ def _fold_minute(session: Session, run_id: str, minute: datetime) -> int:
         stats.steps.append(step)
         stats.compute.append(compute_s)
         stats.wait.append(wait_s)
+    # One read of the minute's aggregates already there (late rows), not one per rank: a minute
+    # of a 16,384-rank run is 16,384 of them.
+    folded_before = {
+        row.rank: row
+        for row in session.scalars(
+            select(StepTimeMinute).where(
+                StepTimeMinute.run_id == run_id, StepTimeMinute.minute == minute
+            )
+        )
+    }
     for rank, stats in per_rank.items():
         row = stats.as_row(run_id, rank, minute)
-        existing = session.get(StepTimeMinute, (run_id, rank, minute))
+        existing = folded_before.get(rank)
         if existing is None:
             session.add(row)
         else:

@@ -377,6 +377,29 @@ def test_a_client_that_asks_for_close_or_pipelines_gets_its_connection_closed(
     assert said.startswith(b"HTTP/1.1 200") and said.count(b"HTTP/1.1") == 1, said
 
 
+def test_a_store_busy_past_its_timeout_is_a_503_to_retry_not_a_500(
+    tmp_path: Path, seed_run: Callable[..., None]
+) -> None:
+    url = f"sqlite:///{tmp_path / 'busy.db'}"
+    database = Database(url, busy_timeout_ms=200)
+    database.upgrade()
+    token, digest = new_run_token()
+    seed_run(database, "r1", job_id="7", token_hash=digest)
+    server = IngestServer(database, limits=LIMITS).start()
+    holder = Database(url)
+    try:
+        with holder.engine.connect() as held:
+            held.exec_driver_sql("BEGIN IMMEDIATE")  # a long writer (a retention pass, say)
+            status, reply = _post(server.url, _batch(1), token)
+            held.exec_driver_sql("ROLLBACK")
+        assert status == 503 and "retry later" in str(reply["error"]), reply
+        assert _post(server.url, _batch(1), token)[0] == 200  # sent again, taken
+    finally:
+        server.stop()
+        holder.dispose()
+        database.dispose()
+
+
 def _certificate(directory: Path, name: str) -> tuple[Path, Path]:
     cert, key = directory / f"{name}.pem", directory / f"{name}.key"
     subprocess.run(

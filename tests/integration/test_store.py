@@ -1,11 +1,13 @@
 from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 
 import pytest
 from sqlalchemy import func, select
 
 from slurmft.db import Database, DatabaseUnavailable
+from slurmft.db.database import DatabaseBusy
 from slurmft.db.history import read_view
 from slurmft.db.ingest import (
     HeartbeatReport,
@@ -32,8 +34,15 @@ T0 = datetime(2026, 11, 1, tzinfo=UTC)
 
 
 def _run(run_id: str, state: RunState = RunState.RUNNING, **kw: object) -> Run:
-    run = Run(id=run_id, name=f"name-{run_id}", owner_uid=1000, owner_name="alice", nodes=2,
-              spares=1, command=["python", "train.py"])
+    run = Run(
+        id=run_id,
+        name=f"name-{run_id}",
+        owner_uid=1000,
+        owner_name="alice",
+        nodes=2,
+        spares=1,
+        command=["python", "train.py"],
+    )
     if state is not RunState.PENDING:
         run.state = RunState.RUNNING
     if state not in {RunState.PENDING, RunState.RUNNING}:
@@ -43,38 +52,74 @@ def _run(run_id: str, state: RunState = RunState.RUNNING, **kw: object) -> Run:
     return run
 
 
-def _event(run_id: str, kind: EventKind, node: str | None, fault: FaultClass | None,
-           lost: float | None = None, *, xid: int | None = None, minutes: int = 0) -> Event:
-    return Event(run_id=run_id, kind=kind, node=node, fault_class=fault, time_lost_s=lost,
-                 xid=xid, occurred_at=T0 + timedelta(minutes=minutes))
+def _event(
+    run_id: str,
+    kind: EventKind,
+    node: str | None,
+    fault: FaultClass | None,
+    lost: float | None = None,
+    *,
+    xid: int | None = None,
+    minutes: int = 0,
+) -> Event:
+    return Event(
+        run_id=run_id,
+        kind=kind,
+        node=node,
+        fault_class=fault,
+        time_lost_s=lost,
+        xid=xid,
+        occurred_at=T0 + timedelta(minutes=minutes),
+    )
 
 
 def _seed_failures(database: Database) -> None:
     with database.session() as s:
-        s.add_all([
-            _run("rA", RunState.COMPLETED, started_at=T0, ended_at=T0 + timedelta(hours=10)),
-            _run("rB", RunState.STOPPED, started_at=T0 + timedelta(days=1),
-                 ended_at=T0 + timedelta(days=1, hours=2)),
-            _run("rC", RunState.PENDING),
-        ])
+        s.add_all(
+            [
+                _run("rA", RunState.COMPLETED, started_at=T0, ended_at=T0 + timedelta(hours=10)),
+                _run(
+                    "rB",
+                    RunState.STOPPED,
+                    started_at=T0 + timedelta(days=1),
+                    ended_at=T0 + timedelta(days=1, hours=2),
+                ),
+                _run("rC", RunState.PENDING),
+            ]
+        )
         s.flush()
-        s.add_all([Attempt(run_id="rA", number=1), Attempt(run_id="rA", number=2),
-                   Attempt(run_id="rB", number=1)])
-        s.add_all([
-            _event("rA", EventKind.NODE_LOST, "n1", FaultClass.HARDWARE, 600, minutes=1),
-            _event("rA", EventKind.GPU_FAULT, "n1", FaultClass.HARDWARE, 1200, xid=79, minutes=2),
-            _event("rA", EventKind.HANG, "n2", FaultClass.HANG, 300, minutes=3),
-            _event("rA", EventKind.RESTART, None, FaultClass.HARDWARE),
-            _event("rA", EventKind.RESTART, None, FaultClass.HARDWARE),
-            _event("rA", EventKind.RESTART, None, FaultClass.HANG),
-            _event("rA", EventKind.CHECKPOINT, "n1", None),  # progress, not a failure
-            _event("rB", EventKind.GPU_FAULT, "n1", FaultClass.HARDWARE, 1800, xid=48, minutes=4),
-            _event("rB", EventKind.RANK_FAILURE, "n3", FaultClass.USER_CODE, 0, minutes=5),
-            _event("rB", EventKind.RESTART, None, FaultClass.USER_CODE),
-            _event("rB", EventKind.RESTART, None, FaultClass.TIME_LIMIT),
-        ])
-        s.add_all([DenylistEntry(node="n1", reason="slurmft: Xid 79"),
-                   DenylistEntry(node="n2", run_id="rA", reason="hang in rA only")])
+        s.add_all(
+            [
+                Attempt(run_id="rA", number=1),
+                Attempt(run_id="rA", number=2),
+                Attempt(run_id="rB", number=1),
+            ]
+        )
+        s.add_all(
+            [
+                _event("rA", EventKind.NODE_LOST, "n1", FaultClass.HARDWARE, 600, minutes=1),
+                _event(
+                    "rA", EventKind.GPU_FAULT, "n1", FaultClass.HARDWARE, 1200, xid=79, minutes=2
+                ),
+                _event("rA", EventKind.HANG, "n2", FaultClass.HANG, 300, minutes=3),
+                _event("rA", EventKind.RESTART, None, FaultClass.HARDWARE),
+                _event("rA", EventKind.RESTART, None, FaultClass.HARDWARE),
+                _event("rA", EventKind.RESTART, None, FaultClass.HANG),
+                _event("rA", EventKind.CHECKPOINT, "n1", None),  # progress, not a failure
+                _event(
+                    "rB", EventKind.GPU_FAULT, "n1", FaultClass.HARDWARE, 1800, xid=48, minutes=4
+                ),
+                _event("rB", EventKind.RANK_FAILURE, "n3", FaultClass.USER_CODE, 0, minutes=5),
+                _event("rB", EventKind.RESTART, None, FaultClass.USER_CODE),
+                _event("rB", EventKind.RESTART, None, FaultClass.TIME_LIMIT),
+            ]
+        )
+        s.add_all(
+            [
+                DenylistEntry(node="n1", reason="slurmft: Xid 79"),
+                DenylistEntry(node="n2", run_id="rA", reason="hang in rA only"),
+            ]
+        )
 
 
 def _view(database: Database, name: str, run_id: str | None = None) -> list[dict[str, object]]:
@@ -85,9 +130,13 @@ def _view(database: Database, name: str, run_id: str | None = None) -> list[dict
 def test_failures_by_node(database: Database) -> None:
     _seed_failures(database)
     rows = {(r["node"], r["kind"], r["xid"]): r for r in _view(database, "failures_by_node")}
-    assert set(rows) == {("n1", "node_lost", None), ("n1", "gpu_fault", 79),
-                         ("n1", "gpu_fault", 48), ("n2", "hang", None),
-                         ("n3", "rank_failure", None)}
+    assert set(rows) == {
+        ("n1", "node_lost", None),
+        ("n1", "gpu_fault", 79),
+        ("n1", "gpu_fault", 48),
+        ("n2", "hang", None),
+        ("n3", "rank_failure", None),
+    }
     assert rows[("n1", "gpu_fault", 79)]["fault_class"] == "hardware"
     assert all(r["failures"] == 1 and r["runs"] == 1 for r in rows.values())
     assert str(rows[("n3", "rank_failure", None)]["first_at"]).startswith("2026-11-01")
@@ -95,8 +144,9 @@ def test_failures_by_node(database: Database) -> None:
 
 def test_failures_by_class(database: Database) -> None:
     _seed_failures(database)
-    rows = {(r["fault_class"], r["kind"], r["xid"]): r for r in _view(database,
-                                                                       "failures_by_class")}
+    rows = {
+        (r["fault_class"], r["kind"], r["xid"]): r for r in _view(database, "failures_by_class")
+    }
     assert rows[("hardware", "gpu_fault", 48)]["time_lost_s"] == pytest.approx(1800)
     assert rows[("hardware", "node_lost", None)]["time_lost_s"] == pytest.approx(600)
     assert rows[("hang", "hang", None)]["nodes"] == 1
@@ -107,15 +157,26 @@ def test_run_failures_and_time_lost(database: Database) -> None:
     _seed_failures(database)
     rows = {r["run_id"]: r for r in _view(database, "run_failures")}
     assert {k: (v["failures"], float(v["time_lost_s"])) for k, v in rows.items()} == {
-        "rA": (3, 2100.0), "rB": (2, 1800.0), "rC": (0, 0.0)}
+        "rA": (3, 2100.0),
+        "rB": (2, 1800.0),
+        "rC": (0, 0.0),
+    }
     assert [r["run_id"] for r in _view(database, "run_failures", run_id="rB")] == ["rB"]
 
 
 def test_run_restarts_per_class(database: Database) -> None:
     _seed_failures(database)
     rows = {r["run_id"]: r for r in _view(database, "run_restarts")}
-    keys = ("restarts", "hardware", "hang", "straggler", "user_code", "preemption", "other",
-            "attempts")
+    keys = (
+        "restarts",
+        "hardware",
+        "hang",
+        "straggler",
+        "user_code",
+        "preemption",
+        "other",
+        "attempts",
+    )
     assert {k: tuple(v[c] for c in keys) for k, v in rows.items()} == {
         "rA": (3, 2, 1, 0, 0, 0, 0, 2),
         "rB": (2, 0, 0, 0, 1, 1, 0, 1),
@@ -126,9 +187,17 @@ def test_run_restarts_per_class(database: Database) -> None:
 def test_node_lemons_ranked(database: Database) -> None:
     _seed_failures(database)
     rows = _view(database, "node_lemons")
-    assert [(r["node"], r["position"], r["failures"], r["hardware_failures"], r["runs"],
-             r["denylisted"]) for r in rows] == [
-        ("n1", 1, 3, 3, 2, 1), ("n2", 2, 1, 0, 1, 0), ("n3", 2, 1, 0, 1, 0)]
+    assert [
+        (
+            r["node"],
+            r["position"],
+            r["failures"],
+            r["hardware_failures"],
+            r["runs"],
+            r["denylisted"],
+        )
+        for r in rows
+    ] == [("n1", 1, 3, 3, 2, 1), ("n2", 2, 1, 0, 1, 0), ("n3", 2, 1, 0, 1, 0)]
 
 
 def test_run_effective_time(database: Database) -> None:
@@ -174,8 +243,7 @@ def test_states_persist_and_illegal_transitions_raise(database: Database) -> Non
 def test_timestamps_come_back_as_utc(database: Database) -> None:
     moment = datetime(2026, 11, 29, 12, 30, 1, 123456, tzinfo=UTC)
     with database.session() as s:
-        s.add(_run("rT", started_at=moment.astimezone(
-            datetime.now().astimezone().tzinfo)))
+        s.add(_run("rT", started_at=moment.astimezone(datetime.now().astimezone().tzinfo)))
     with database.session() as s:
         run = s.get(Run, "rT")
         assert run is not None and run.started_at == moment
@@ -187,8 +255,12 @@ def test_timestamps_come_back_as_utc(database: Database) -> None:
 
 
 def _beats(seq: int, at: datetime, ranks: int = 4) -> list[HeartbeatReport]:
-    return [HeartbeatReport(rank=r, node=f"n{r // 2 + 1}", phase="step", step=seq * 10, seq=seq,
-                            sent_at=at) for r in range(ranks)]
+    return [
+        HeartbeatReport(
+            rank=r, node=f"n{r // 2 + 1}", phase="step", step=seq * 10, seq=seq, sent_at=at
+        )
+        for r in range(ranks)
+    ]
 
 
 def test_heartbeats_keep_the_newest_and_sample_history(database: Database) -> None:
@@ -198,13 +270,21 @@ def test_heartbeats_keep_the_newest_and_sample_history(database: Database) -> No
     with database.session() as s:
         assert record_heartbeats(s, "rH", None, _beats(1, T0), sample_every=every) == 4
     with database.session() as s:
-        assert record_heartbeats(s, "rH", None, _beats(2, T0 + timedelta(seconds=10)),
-                                 sample_every=every) == 0
+        assert (
+            record_heartbeats(
+                s, "rH", None, _beats(2, T0 + timedelta(seconds=10)), sample_every=every
+            )
+            == 0
+        )
     with database.session() as s:  # a resent old batch changes nothing
         assert record_heartbeats(s, "rH", None, _beats(1, T0), sample_every=every) == 0
     with database.session() as s:
-        assert record_heartbeats(s, "rH", None, _beats(3, T0 + timedelta(seconds=70)),
-                                 sample_every=every) == 4
+        assert (
+            record_heartbeats(
+                s, "rH", None, _beats(3, T0 + timedelta(seconds=70)), sample_every=every
+            )
+            == 4
+        )
     with database.session() as s:
         latest = s.scalars(select(RankHeartbeat).order_by(RankHeartbeat.rank)).all()
         assert [(h.rank, h.seq, h.step) for h in latest] == [(r, 3, 30) for r in range(4)]
@@ -217,10 +297,20 @@ def test_heartbeats_keep_the_newest_and_sample_history(database: Database) -> No
 def test_heartbeats_within_one_batch_take_the_highest_seq(database: Database) -> None:
     with database.session() as s:
         s.add(_run("rH2"))
-    beats = [HeartbeatReport(0, "n1", "step", 5, 5, T0),
-             HeartbeatReport(0, "n1", "checkpoint", 6, 6, T0 + timedelta(seconds=1),
-                             progress_age_s=540.0, deadline_s=1800.0),
-             HeartbeatReport(0, "n1", "step", 4, 4, T0)]
+    beats = [
+        HeartbeatReport(0, "n1", "step", 5, 5, T0),
+        HeartbeatReport(
+            0,
+            "n1",
+            "checkpoint",
+            6,
+            6,
+            T0 + timedelta(seconds=1),
+            progress_age_s=540.0,
+            deadline_s=1800.0,
+        ),
+        HeartbeatReport(0, "n1", "step", 4, 4, T0),
+    ]
     with database.session() as s:
         record_heartbeats(s, "rH2", None, beats)
     with database.session() as s:
@@ -245,11 +335,15 @@ def test_step_times_fold_into_minutes(database: Database) -> None:
         # Cut-off mid-minute 2: minutes 0 and 1 fold whole, minute 2 stays raw.
         assert fold_step_times(s, T0 + timedelta(minutes=2, seconds=30)) == 80
     with database.session() as s:
-        minutes = s.scalars(select(StepTimeMinute).order_by(StepTimeMinute.minute,
-                                                            StepTimeMinute.rank)).all()
+        minutes = s.scalars(
+            select(StepTimeMinute).order_by(StepTimeMinute.minute, StepTimeMinute.rank)
+        ).all()
         assert [(m.rank, m.minute, m.steps) for m in minutes] == [
-            (0, T0, 20), (1, T0, 20), (0, T0 + timedelta(minutes=1), 20),
-            (1, T0 + timedelta(minutes=1), 20)]
+            (0, T0, 20),
+            (1, T0, 20),
+            (0, T0 + timedelta(minutes=1), 20),
+            (1, T0 + timedelta(minutes=1), 20),
+        ]
         rank0 = minutes[0]
         assert rank0.compute_median_s == pytest.approx(1.095)
         assert rank0.compute_p95_s == pytest.approx(1.0 + 0.1805)
@@ -260,15 +354,52 @@ def test_step_times_fold_into_minutes(database: Database) -> None:
         assert minutes[1].compute_median_s == pytest.approx(2.19)
         assert s.scalar(select(func.count()).select_from(StepTime)) == 40
     with database.session() as s:  # a late row for a folded minute merges into it
-        record_step_times(s, "rF", None, [StepTimeReport(0, 999, 1.5, 0.5, T0 + timedelta(
-            seconds=59))])
+        record_step_times(
+            s, "rF", None, [StepTimeReport(0, 999, 1.5, 0.5, T0 + timedelta(seconds=59))]
+        )
     with database.session() as s:
         assert fold_step_times(s, T0 + timedelta(minutes=2, seconds=30)) == 1
     with database.session() as s:
         merged = s.get(StepTimeMinute, ("rF", 0, T0))
         assert merged is not None and merged.steps == 21 and merged.last_step == 999
-        assert merged.compute_total_s == pytest.approx(
-            sum(1.0 + i / 100 for i in range(20)) + 1.5)
+        assert merged.compute_total_s == pytest.approx(sum(1.0 + i / 100 for i in range(20)) + 1.5)
+
+
+def test_a_retention_pass_folds_one_minute_per_transaction(database: Database) -> None:
+    """The daemon folds (run, minute) by (run, minute), each in its own transaction, so a
+    large run's fold never holds SQLite's writer lock for long."""
+    with database.session() as s:
+        s.add(_run("rM"))
+    reports = [StepTimeReport(rank, minute * 10 + i, 1.0, 0.1, T0 + timedelta(minutes=minute,
+                                                                           seconds=i * 5))
+               for minute in range(3) for i in range(10) for rank in range(4)]  # fmt: skip
+    with database.session() as s:
+        record_step_times(s, "rM", None, reports)
+    cutoff = T0 + timedelta(minutes=2, seconds=30)
+    folded = []
+    for _ in range(5):
+        with database.session() as s:
+            folded.append(fold_step_times(s, cutoff, max_minutes=1))
+    assert folded == [40, 40, 0, 0, 0]
+    with database.session() as s:
+        assert s.scalar(select(func.count()).select_from(StepTimeMinute)) == 8
+        assert s.scalar(select(func.count()).select_from(StepTime)) == 40
+
+
+def test_a_writer_held_past_the_busy_timeout_is_a_busy_store(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'slurmft.db'}"
+    holder, waiter = Database(url), Database(url, busy_timeout_ms=100)
+    holder.upgrade()
+    with holder.engine.connect() as held:
+        held.exec_driver_sql("BEGIN IMMEDIATE")  # another writer, mid-transaction
+        busy = pytest.raises(DatabaseBusy, match=r"busy: another writer held it past")
+        with busy, waiter.session() as s:
+            s.add(_run("rB"))
+        held.exec_driver_sql("ROLLBACK")
+    with waiter.session() as s:  # once it is let go, the write goes through
+        s.add(_run("rB"))
+    holder.dispose()
+    waiter.dispose()
 
 
 def test_unreachable_postgres_is_a_clear_error() -> None:
