@@ -687,7 +687,7 @@ def main() -> int:
         args.top_s,
         args.connection == "kept",
         args.pin,
-        args.post_every_s or 1.0,
+        args.post_every_s,
     )
     stores = args.stores.split(",")
     if unknown := set(stores) - {"sqlite", "postgres"}:
