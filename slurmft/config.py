@@ -344,9 +344,10 @@ class DaemonSection(Section):
     )
     ingest_max_connections: int = setting_field(
         4096,
-        "Connections the ingest endpoint holds at once (arriving, queued or answered); past it a "
-        "new one is answered 503 with Retry-After. Sized for one run of 2,048 agents whose "
-        "once-a-second posts arrive together. Keep LimitNOFILE in the unit above it.",
+        "Connections the ingest endpoint holds at once (arriving, queued, answered, or kept "
+        "between an agent's posts); past it the kept connection idle longest is closed to make "
+        "room, and with none to close a new one is answered 503 with Retry-After. Each agent "
+        "keeps one. Keep LimitNOFILE in the unit above it.",
         minimum=1,
     )
     ingest_workers: int = setting_field(

@@ -9,8 +9,9 @@ answers it (reading a body within ``body_timeout_s``) and closes the connection,
 protocol keeps it for the client's next request (HTTP keep-alive), hands it back to the selector
 thread: a kept connection waiting for its next request holds no thread either, and one idle for
 ``idle_timeout_s`` is closed without a word (nothing was asked of it). At most
-``max_connections`` connections are open at once; past that a new one gets its refusal at once
-(an HTTP 503 with Retry-After, the socket's JSON error) and is closed.
+``max_connections`` connections are open at once; past that the kept connection idle longest
+is closed to make room, and without one a new connection gets its refusal at once (an HTTP 503
+with Retry-After, the socket's JSON error) and is closed.
 
 Each refusal is handed to the server's ``on_refusal`` hook (a counter, a log line, an audit row
 where the caller is known). The protocol, HTTP or the CLI's JSON line, is a ``Protocol``.
@@ -219,7 +220,7 @@ class BoundedServer:
             except OSError:
                 self._close(conn)
                 continue
-            if over:
+            if over and not self._make_room():
                 self._refuse(conn, Reason.OVER_CAPACITY, send=self.tls is None)
                 continue
             if not self._admit_caller(conn):
@@ -272,6 +273,15 @@ class BoundedServer:
             if len(conn.buffer) > self.limits.max_head_bytes:
                 self._refuse(conn, Reason.HEAD_TOO_LARGE)
                 return
+
+    def _make_room(self) -> bool:
+        """At the cap, close the kept connection idle longest (its client connects again when it
+        next posts) rather than refuse a new client: kept connections must not lock others out."""
+        idle = [conn for conn in self._reading.values() if conn.kept]
+        if not idle:
+            return False
+        self._drop(min(idle, key=lambda conn: conn.last_byte_at))
+        return True
 
     def _sweep(self, now: float) -> None:
         header_s, idle_s = self.limits.header_timeout_s, self.limits.idle_timeout_s

@@ -358,6 +358,22 @@ def test_kept_connections_hold_no_thread_between_posts(ingest: IngestServer, tok
         transport.close()
 
 
+def test_at_the_cap_the_idlest_kept_connection_makes_room_for_a_new_agent(
+    ingest: IngestServer, token: str
+) -> None:
+    transports = [HttpTransport(ingest.url, token) for _ in range(LIMITS.max_connections)]
+    for seq, transport in enumerate(transports, 1):  # the first posts first: idle longest
+        transport.send_batch(AgentBatch.from_json(_batch(seq)))
+    assert ingest.server.open_connections == LIMITS.max_connections
+    # A new agent is answered, not refused; the first agent's kept connection made room...
+    status, _ = _post(ingest.url, _batch(100), token)
+    assert status == 200
+    # ... and that agent, posting again, connects anew and is answered too.
+    assert transports[0].send_batch(AgentBatch.from_json(_batch(101))).acked_seq == 101
+    for transport in transports:
+        transport.close()
+
+
 def test_a_client_that_asks_for_close_or_pipelines_gets_its_connection_closed(
     ingest: IngestServer, token: str
 ) -> None:
