@@ -34,7 +34,7 @@ from typing import TypeVar
 
 import msgspec
 
-from slurmft.config import AgentSection
+from slurmft.config import AgentSection, ConfigError
 from slurmft.protocol import (
     BATCH_PATH,
     CONTENT_TYPE,
@@ -111,7 +111,9 @@ class HttpTransport:
             self._context = ssl.create_default_context(cafile=ca_file or None)
         url = urllib.parse.urlsplit(self.base_url)
         if url.scheme not in ("http", "https") or not url.hostname:
-            raise ValueError(f"controller URL {base_url!r} is not http(s)://host[:port]")
+            raise ConfigError(
+                f"agent.controller_url {base_url!r} is not http://host:port or https://host:port"
+            )
         self._host, self._port, self._prefix = url.hostname, url.port, url.path
         self._conn: http.client.HTTPConnection | None = None
         self._lock = threading.Lock()  # one request at a time on the kept connection
@@ -157,7 +159,7 @@ class HttpTransport:
             except BaseException:
                 self._drop()
                 raise
-            if response.will_close:
+            if response.will_close or not response.isclosed():  # closing, or a reply too long
                 self._drop()
             return response.status, data
         raise AssertionError("unreachable")

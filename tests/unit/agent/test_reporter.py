@@ -17,6 +17,7 @@ from slurmft.agent.reporter import (
     backoff_s,
     report_interval_s,
 )
+from slurmft.config import ConfigError
 from slurmft.protocol import (
     MAX_BATCH_EVENTS,
     AgentEvent,
@@ -230,3 +231,8 @@ def test_a_large_runs_agents_report_less_often_so_the_run_sends_a_bounded_rate(
     interval = report_interval_s(configured_s, agents)
     assert interval == pytest.approx(expected_s)
     assert agents / interval <= max(MAX_RUN_BATCHES_PER_S, agents / configured_s)
+
+
+def test_a_controller_url_that_is_no_http_url_is_a_clear_config_error() -> None:
+    with pytest.raises(ConfigError, match=r"agent.controller_url 'login1:8787' is not http"):
+        HttpTransport("login1:8787", "token")
