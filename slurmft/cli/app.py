@@ -7,7 +7,6 @@ from typing import Annotated
 
 import typer
 
-import slurmft
 from slurmft.cli import (
     agent_cmd,
     config_cmd,
@@ -23,6 +22,7 @@ from slurmft.cli import (
     submit_cmd,
 )
 from slurmft.cli.context import CliState
+from slurmft.version import version as slurmft_version
 
 app = typer.Typer(
     name="slurmft",
@@ -48,7 +48,7 @@ sim_cmd.register(app)
 
 def _version(value: bool) -> None:
     if value:
-        typer.echo(f"slurmft {slurmft.__version__}")  # read on use: importlib.metadata
+        typer.echo(f"slurmft {slurmft_version()}")  # read on use: importlib.metadata
         raise typer.Exit()
 
 

@@ -37,7 +37,6 @@ from prometheus_client.registry import Collector
 from sqlalchemy import func, select, text
 from sqlalchemy.orm import Session
 
-from slurmft import __version__
 from slurmft.controller.goodput_pass import GIVE_UP_AFTER
 from slurmft.core.kinds import OUTAGE_KINDS
 from slurmft.db import Database, DatabaseError
@@ -45,6 +44,7 @@ from slurmft.db.models import Action, ActionKind, ActionStatus, Event, EventKind
 from slurmft.db.states import RunState
 from slurmft.slurm.api import SlurmTimeout, SlurmUnreachable
 from slurmft.slurm.runner import CommandResult, Runner
+from slurmft.version import version
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +95,7 @@ class DaemonMetrics:
         self.registry = CollectorRegistry()
         r = self.registry
         Info("slurmft_build", "Version of the running slurmft daemon.", registry=r).info(
-            {"version": __version__, "python": platform.python_version()}
+            {"version": version(), "python": platform.python_version()}
         )
         self.control_passes = Counter(
             "slurmft_control_passes_total",

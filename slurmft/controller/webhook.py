@@ -23,10 +23,10 @@ from typing import Any
 
 from sqlalchemy import select
 
-from slurmft import __version__
 from slurmft.db import Database
 from slurmft.db.models import Action, ActionKind, ActionStatus
 from slurmft.db.records import finish_action
+from slurmft.version import version
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ def post_json(url: str, body: dict[str, Any], timeout_s: float) -> None:
     request = urllib.request.Request(
         url,
         data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json", "User-Agent": f"slurmft/{__version__}"},
+        headers={"Content-Type": "application/json", "User-Agent": f"slurmft/{version()}"},
         method="POST",
     )
     try:

@@ -19,7 +19,6 @@ from sqlalchemy.engine import URL
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
-import slurmft
 from slurmft.config import Config, DatabaseSection, check_sqlite_location
 from slurmft.errors import SlurmftError
 
@@ -46,7 +45,7 @@ class SchemaOutOfDate(DatabaseError):
 
 def migrations_dir() -> Path:
     """The Alembic environment: inside the installed wheel, or at the top of a source tree."""
-    package_dir = Path(slurmft.__file__).resolve().parent
+    package_dir = Path(__file__).resolve().parents[1]  # slurmft/
     for candidate in (package_dir / "migrations", package_dir.parent / "migrations"):
         if (candidate / "env.py").is_file():
             return candidate
