@@ -2,22 +2,24 @@
 
 from __future__ import annotations
 
-from functools import cache
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from slurmft.api import Run, RunSpec, plan_submission, runs, submit
+
+# The Python API (slurmft.api), loaded on first use: `import slurmft.train` in every training
+# worker never loads the daemon's socket client.
+_API = frozenset({"Run", "RunSpec", "plan_submission", "runs", "submit"})
+__all__ = ["Run", "RunSpec", "__version__", "plan_submission", "runs", "submit"]
 
 
-@cache
-def _version() -> str:
-    # Read on first use: importing importlib.metadata costs ~0.1 s, paid by every training
-    # worker that imports slurmft.train, on the recovery path after a node loss.
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("slurmft")
-    except PackageNotFoundError:  # running from a source tree that was never installed
-        return "0.0.0+unknown"
-
-
-def __getattr__(name: str) -> str:
+def __getattr__(name: str) -> Any:
     if name == "__version__":
-        return _version()
+        from slurmft.version import version
+
+        return version()
+    if name in _API:
+        import slurmft.api
+
+        return getattr(slurmft.api, name)
     raise AttributeError(f"module 'slurmft' has no attribute {name!r}")

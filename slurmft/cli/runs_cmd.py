@@ -6,13 +6,16 @@ socket's peer credentials, never from the request.
 
 from __future__ import annotations
 
-import time
+from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
 from slurmft.cli.context import echo_json, state
+
+if TYPE_CHECKING:
+    from slurmft.api import Run, RunStatus, RunSummary, TimelineEntry
 
 JSON = Annotated[bool, typer.Option("--json", help="Machine-readable output.")]
 RUN = Annotated[str, typer.Argument(help="Run id (see `slurmft runs`).")]
@@ -73,13 +76,19 @@ def _or_dash(value: object) -> str:
     return "-" if value is None else str(value)
 
 
-def run_line(r: dict[str, Any]) -> str:
+def _run(ctx: typer.Context, run_id: str) -> Run:
+    from slurmft.api import Run
+
+    return Run(run_id, config=state(ctx).config)
+
+
+def run_line(r: RunSummary) -> str:
     """One run on one line: where it is, its budget and its effective ratio so far."""
     return (
-        f"{r['run_id']:<14} {r['state']:<10} {r['nodes']}+{r['spares']} "
-        f"job {r['job_id'] or '-':<8} step {_or_dash(r['step']):<7} "
-        f"world {_or_dash(r['world_size']):<4} restarts {r['restarts']}/{r['restart_cap']}  "
-        f"effective {_ratio(r['effective_ratio'])}  {r['name']}"
+        f"{r.run_id:<14} {r.state:<10} {r.nodes}+{r.spares} "
+        f"job {r.job_id or '-':<8} step {_or_dash(r.step):<7} "
+        f"world {_or_dash(r.world_size):<4} restarts {r.restarts}/{r.restart_cap}  "
+        f"effective {_ratio(r.effective_ratio)}  {r.name}"
     )
 
 
@@ -93,14 +102,17 @@ def runs(  # noqa: PLR0917 (typer: one parameter per option)
 ) -> None:
     """List your runs, newest first: state, nodes+spares, Slurm job, step, world size,
     restarts without progress against the cap, and the effective ratio so far."""
-    args: dict[str, Any] = {"states": list(states or []), "limit": limit}
-    if since is not None:
-        args["since"] = since_time(since)
-    if user is not None:
-        args["user"] = user
-    rows = ask(ctx, "runs", **args)
+    from slurmft.api import runs as list_runs
+
+    rows = list_runs(
+        states=states or (),
+        since=None if since is None else since_time(since),
+        user=user,
+        limit=limit,
+        config=state(ctx).config,
+    )
     if as_json:
-        echo_json(rows)
+        echo_json([r.to_dict() for r in rows])
         return
     if not rows:
         typer.echo("no runs")
@@ -117,28 +129,28 @@ def _age(seconds: float) -> str:
     return f"{seconds / 3600:.1f} h"
 
 
-def _progress_lines(data: dict[str, Any]) -> list[str]:
+def _progress_lines(data: RunStatus) -> list[str]:
     lines = []
-    if data["step"] is not None:
-        lines.append(f"step {data['step']}, world size {data['world_size']} ranks")
-    elif data["state"] in ("running", "recovering"):
+    if data.step is not None:
+        lines.append(f"step {data.step}, world size {data.world_size} ranks")
+    elif data.state in ("running", "recovering"):
         lines.append("step unknown: the script does not report steps (node-level supervision)")
-    ckpt = data["checkpoint"]
+    ckpt = data.checkpoint
     if ckpt is None:
         lines.append("checkpoint: none reported yet")
     else:
-        what = f"step {ckpt['step']}" if ckpt["verified"] else f"{ckpt['label']} (found on disk)"
-        lines.append(f"checkpoint: {what}, {_age(ckpt['age_s'])} old")
-    if data["spares_left"] is not None:
-        lines.append(f"spares left: {data['spares_left']} of {data['spares']}")
-    lines.append(f"restarts without progress: {data['restarts']} of {data['restart_cap']}")
-    effective = data["effective"]
+        what = f"step {ckpt.step}" if ckpt.verified else f"{ckpt.label} (found on disk)"
+        lines.append(f"checkpoint: {what}, {_age(ckpt.age_s)} old")
+    if data.spares_left is not None:
+        lines.append(f"spares left: {data.spares_left} of {data.spares}")
+    lines.append(f"restarts without progress: {data.restarts} of {data.restart_cap}")
+    effective = data.effective
     if effective is not None:
         lines.append(
-            f"effective ratio so far: {_ratio(effective['ratio'])} (wall {effective['wall_s']:.0f}"
-            f" s, lost {effective['lost_s']:.0f} s)"
+            f"effective ratio so far: {_ratio(effective.ratio)} (wall {effective.wall_s:.0f}"
+            f" s, lost {effective.lost_s:.0f} s)"
         )
-    lines.append(f"now: {data['doing']}")
+    lines.append(f"now: {data.doing}")
     return lines
 
 
@@ -146,40 +158,45 @@ def status(ctx: typer.Context, run_id: RUN, as_json: JSON = False) -> None:
     """Where one run is: state, Slurm job, step and world size, the newest checkpoint and its
     age, spares left, restarts against the cap, the effective ratio so far, what slurmft is
     doing now, excluded nodes and the latest actions with their reasons."""
-    data = ask(ctx, "status", run_id=run_id)
+    data = _run(ctx, run_id).status()
     if as_json:
-        echo_json(data)
+        echo_json(data.to_dict())
         return
     typer.echo(
-        f"{data['run_id']} {data['name']} ({data['owner']}): {data['state']}, "
-        f"job {data['job_id'] or '-'}, attempt {data['attempts']}"
+        f"{data.run_id} {data.name} ({data.owner}): {data.state}, "
+        f"job {data.job_id or '-'}, attempt {data.attempts}"
     )
     for line in _progress_lines(data):
         typer.echo(f"  {line}")
-    if data["end_reason"]:
-        typer.echo(f"  ended: {data['end_reason']}")
-    if data["excluded_nodes"]:
-        typer.echo(f"  excluded nodes: {', '.join(data['excluded_nodes'])}")
-    for notice in data.get("human_needed", []):
-        typer.echo(f"  a person is needed ({notice['at']}): {notice['reason']}")
-    for a in data["recent_actions"]:
-        typer.echo(f"  {a['at']}  {a['kind']:<16} {a['status']:<8} {a['reason']}")
+    if data.end_reason:
+        typer.echo(f"  ended: {data.end_reason}")
+    if data.excluded_nodes:
+        typer.echo(f"  excluded nodes: {', '.join(data.excluded_nodes)}")
+    for notice in data.human_needed:
+        typer.echo(f"  a person is needed ({_shown(notice.at)}): {notice.reason}")
+    for a in data.recent_actions:
+        typer.echo(f"  {_shown(a.at)}  {a.kind:<16} {a.status:<8} {a.reason}")
 
 
-def _few(items: list[Any], shown: int) -> str:
+def _shown(at: datetime) -> str:
+    """A time as the daemon sent it (ISO 8601, its own precision)."""
+    return at.isoformat()
+
+
+def _few(items: Sequence[object], shown: int) -> str:
     """The first ``shown`` of ``items``, and how many more."""
     more = f",+{len(items) - shown}" if len(items) > shown else ""
     return ",".join(map(str, items[:shown])) + more
 
 
-def entry_line(e: dict[str, Any]) -> str:
+def entry_line(e: TimelineEntry) -> str:
     """One timeline entry: an event (what happened) or an action (what slurmft did)."""
-    where = f" {_few(e['nodes'], 4)}" if e["nodes"] else ""
-    if e["ranks"]:
-        where += f" rank{'s' if len(e['ranks']) > 1 else ''} {_few(e['ranks'], 8)}"
-    count = f" x{e['count']}" if e["count"] > 1 else ""
-    status = f" [{e['status']}]" if e["status"] else ""
-    return f"{e['at']}  {e['source']:<6} {e['kind']}{count}{status}{where}: {e['text']}"
+    where = f" {_few(e.nodes, 4)}" if e.nodes else ""
+    if e.ranks:
+        where += f" rank{'s' if len(e.ranks) > 1 else ''} {_few(e.ranks, 8)}"
+    count = f" x{e.count}" if e.count > 1 else ""
+    status = f" [{e.status}]" if e.status else ""
+    return f"{_shown(e.at)}  {e.source:<6} {e.kind}{count}{status}{where}: {e.text}"
 
 
 def events(  # noqa: PLR0917 (typer: one parameter per option)
@@ -199,47 +216,24 @@ def events(  # noqa: PLR0917 (typer: one parameter per option)
     """One timeline of a run: what happened (events) and what slurmft did about it (actions,
     with status and reason), in time order. Reports of one thing from many ranks or nodes are
     one line with their count (x N). With --json and --follow: one JSON object per line."""
-    data = ask(ctx, "events", run_id=run_id, limit=limit)
-    if as_json and not follow:
-        echo_json(data)
-        return
-    _print_entries(data["entries"], as_json)
-    if follow:
-        _follow(ctx, run_id, data, interval, as_json)
-
-
-def _print_entries(entries: list[dict[str, Any]], as_json: bool) -> None:
     import json
 
-    for entry in entries:
-        typer.echo(json.dumps(entry, sort_keys=True) if as_json else entry_line(entry))
-
-
-def _follow(
-    ctx: typer.Context, run_id: str, data: dict[str, Any], interval: float, as_json: bool
-) -> None:
-    """Ask for what was recorded after the cursor until the run has ended and nothing more
-    came (one last ask after the end, so its final actions are shown)."""
-    from slurmft.core.states import RunState
-
-    ended = False
+    run = _run(ctx, run_id)
+    if as_json and not follow:
+        echo_json(run.events(limit).to_dict())
+        return
+    entries = run.follow(limit, interval_s=interval) if follow else run.events(limit).entries
     try:
-        while True:
-            ended_before = ended
-            if not data["truncated"]:  # more is waiting: ask again at once
-                time.sleep(interval)
-            data = ask(ctx, "events", run_id=run_id, limit=1000, cursor=data["cursor"])
-            _print_entries(data["entries"], as_json)
-            ended = RunState(data["state"]).is_terminal
-            if ended and ended_before and not data["entries"]:
-                return
+        for entry in entries:
+            line = json.dumps(entry.to_dict(), sort_keys=True) if as_json else entry_line(entry)
+            typer.echo(line)
     except KeyboardInterrupt:
         return
 
 
 def cancel(ctx: typer.Context, run_id: RUN) -> None:
     """Cancel a run: the daemon cancels its Slurm job and ends the run."""
-    ask(ctx, "cancel", run_id=run_id)
+    _run(ctx, run_id).cancel()
     typer.echo(f"cancel requested for {run_id}; `slurmft status {run_id}` shows when it ended")
 
 

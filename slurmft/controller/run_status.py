@@ -111,7 +111,7 @@ def _effective(session: Session, run_id: str) -> dict[str, Any] | None:
         text("SELECT wall_s, lost_s, effective_ratio FROM run_effective_time WHERE run_id = :r"),
         {"r": run_id},
     ).first()
-    if row is None:
+    if row is None or row.wall_s is None:  # no span to measure (an ended run with no end time)
         return None
     wall_s, lost_s, ratio = row
     return {

@@ -254,12 +254,13 @@ def test_submit_with_a_non_utf8_argument_is_one_clear_line_and_no_run(  # noqa: 
 ) -> None:
     """Issue 14 item 15: `slurmft submit -- $'tr\\xffain.py'` printed a traceback and left the
     run pending for ever; it is refused before any run is created."""
-    from slurmft.cli import main, submit_cmd
+    from slurmft.api import submission
+    from slurmft.cli import main
 
     def never(*_: object) -> None:
         raise AssertionError("nothing may reach Slurm")
 
-    monkeypatch.setattr(submit_cmd, "_submit_job", never)
+    monkeypatch.setattr(submission, "_submit_job", never)
     monkeypatch.setenv("SLURMFT_PATHS_RUNTIME_DIR", str(socket_path.parent))
     before = _run_ids(database)
     argv = ["submit", "--nodes", "1", "--ckpt-dir", str(tmp_path), *named, "--", "tr\udcffain.py"]
@@ -276,13 +277,14 @@ def test_a_submission_that_fails_unexpectedly_leaves_no_pending_run(
     socket_path: Path, database: Database, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Whatever fails between create_run and attach_job, the run is marked failed, with why."""
-    from slurmft.cli import main, submit_cmd
+    from slurmft.api import submission
+    from slurmft.cli import main
     from slurmft.db.states import RunState
 
     def broken(*_: object) -> None:
         raise UnicodeEncodeError("utf-8", "\udcff", 0, 1, "surrogates not allowed")
 
-    monkeypatch.setattr(submit_cmd, "_submit_job", broken)
+    monkeypatch.setattr(submission, "_submit_job", broken)
     monkeypatch.setenv("SLURMFT_PATHS_RUNTIME_DIR", str(socket_path.parent))
     before = _run_ids(database)
     with pytest.raises(UnicodeEncodeError):
@@ -303,12 +305,13 @@ def test_submit_into_a_linked_state_dir_is_refused_before_any_run(
 ) -> None:
     """Issue 14 item 11: a `.slurmft` someone planted as a link is refused with what to do,
     before the daemon creates the run and before the token is written anywhere."""
-    from slurmft.cli import main, submit_cmd
+    from slurmft.api import submission
+    from slurmft.cli import main
 
     def never(*_: object) -> None:
         raise AssertionError("nothing may reach Slurm")
 
-    monkeypatch.setattr(submit_cmd, "_submit_job", never)
+    monkeypatch.setattr(submission, "_submit_job", never)
     monkeypatch.setenv("SLURMFT_PATHS_RUNTIME_DIR", str(socket_path.parent))
     (tmp_path / "theirs").mkdir()
     (tmp_path / "ckpt").mkdir()

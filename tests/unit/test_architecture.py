@@ -127,4 +127,17 @@ def test_slurmft_version_loads_neither_the_store_nor_the_agent() -> None:
         "slurmft.db.history",
         "slurmft.errors",
         "slurmft.report",
+        "slurmft.version",
     }
+
+
+def test_importing_slurmft_or_its_training_library_loads_no_socket_client() -> None:
+    """The Python API (`slurmft.submit`, `slurmft.Run`) is loaded on first use: a training
+    worker that imports slurmft.train never loads the daemon's socket client or the store."""
+    for statement in ("import slurmft", "import slurmft.train"):
+        loaded = modules_loaded_by(statement)
+        assert {"slurmft.api", "slurmft.controller.rpc", "slurmft.db"} & loaded == set()
+        assert top_level(loaded, "sqlalchemy", "alembic", "typer") == set()
+    loaded = modules_loaded_by("import slurmft\nslurmft.submit")
+    assert {"slurmft.api", "slurmft.api.submission", "slurmft.controller.rpc"} <= loaded
+    assert top_level(loaded, "sqlalchemy", "alembic", "torch") == set()

@@ -7,6 +7,7 @@ from datetime import UTC, datetime
 import pytest
 import typer
 
+from slurmft.api import RunSummary, TimelineEntry
 from slurmft.cli.logs_cmd import attempt_lines, complete_lines, of_rank
 from slurmft.cli.runs_cmd import entry_line, run_line, since_time
 
@@ -35,20 +36,21 @@ def test_a_report_of_many_nodes_is_one_line_with_its_count() -> None:
     entry = {"at": "2026-12-01T12:00:00+00:00", "source": "event", "kind": "restart",
              "text": "workers restarted (round 1 -> 2)", "status": None, "count": 6,
              "nodes": ["n1", "n2", "n3", "n4", "n5", "n6"], "ranks": []}  # fmt: skip
-    assert entry_line(entry) == (
+    assert entry_line(TimelineEntry.from_dict(entry)) == (
         "2026-12-01T12:00:00+00:00  event  restart x6 n1,n2,n3,n4,+2: "
         "workers restarted (round 1 -> 2)"
     )
     action = {**entry, "source": "action", "kind": "drain_node", "status": "done", "count": 1,
               "nodes": ["n2"], "text": "Xid 79 on n2"}  # fmt: skip
-    assert entry_line(action).endswith("action drain_node [done] n2: Xid 79 on n2")
+    line = entry_line(TimelineEntry.from_dict(action))
+    assert line.endswith("action drain_node [done] n2: Xid 79 on n2")
 
 
 def test_a_run_line_shows_unknown_figures_as_dashes() -> None:
     run = {"run_id": "r1", "state": "running", "nodes": 2, "spares": 1, "job_id": "7",
            "step": None, "world_size": None, "restarts": 1, "restart_cap": 5,
            "effective_ratio": None, "name": "plain"}  # fmt: skip
-    line = run_line(run)
+    line = run_line(RunSummary.from_dict(run))
     assert "step -" in line and "world -" in line and "restarts 1/5" in line
     assert line.endswith("effective -  plain")
 

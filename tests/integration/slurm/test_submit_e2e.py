@@ -2,11 +2,14 @@
 3 nodes + 1 spare training the example → an active node killed → the spare takes over at the
 same world size and the run keeps training; the daemon records why; SIGKILLed and restarted
 mid-run it loses nothing and submits nothing twice; the run completes. And a run without any
-failure completes with its spare unused."""
+failure, submitted and followed through the Python API, completes with its spare unused."""
 
 from __future__ import annotations
 
+import json
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -19,12 +22,14 @@ from support.waiting import wait_for_value
 
 from slurmft.controller.intents import INTERRUPTED
 from slurmft.controller.rpc import call
+from slurmft.db import Database
 from slurmft.db.models import ActionKind, ActionStatus, Event, EventKind, Run
 from slurmft.db.states import RunState
 
 pytestmark = [pytest.mark.slurm, pytest.mark.torch]
 
 EXAMPLE = ["-m", "slurmft.train.examples.tiny", "--ckpt-dir", "{ckpt}", "--out-dir", "{out}"]
+API_CLIENT = Path(__file__).with_name("api_client.py")
 
 
 def test_submit_kill_a_node_spare_takes_over_daemon_restart_run_completes(
@@ -73,29 +78,59 @@ def test_submit_kill_a_node_spare_takes_over_daemon_restart_run_completes(
 def test_a_run_without_failures_completes_with_its_spare_unused(
     cluster: Cluster, daemon: DaemonProcess, tmp_path: Path
 ) -> None:
-    """The spare is still waiting when training ends: the run is COMPLETED, not a failure."""
-    run = submit(
-        cluster,
-        daemon,
-        tmp_path,
-        [*EXAMPLE, "--steps", "15", "--ckpt-every", "5", "--heartbeat-interval-s", "1"],
-        name="happy",
+    """Submitted and followed through the Python API, by a user's script
+    (docs/python-api.md). The spare is still waiting when training ends: the run is
+    COMPLETED, not a failure."""
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o777)
+    ckpt, out = shared / "ckpt", shared / "out"
+    spec = {
+        "name": "happy",
+        "nodes": 3,
+        "spares": 1,
+        "ckpt_dir": str(ckpt),
+        "script": [*EXAMPLE[:2], "--ckpt-dir", str(ckpt), "--out-dir", str(out),
+                   "--steps", "15", "--ckpt-every", "5", "--heartbeat-interval-s", "1"],
+    }  # fmt: skip
+    client = subprocess.Popen(
+        [sys.executable, str(API_CLIENT), json.dumps(spec)],
+        env=daemon.env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
-    final, _ = wait_for_value(
-        "the run to end", run.run, lambda r: r.state.is_terminal, timeout_s=180
-    )
-    assert (final.state, final.end_reason) == (RunState.COMPLETED, "the training script finished")
+    assert client.stdout is not None
+    first = client.stdout.readline()
+    if not first:
+        pytest.fail(f"the API client submitted nothing: {client.communicate(timeout=10)[1]}")
+    submitted = json.loads(first)
+    cluster._jobs.append(submitted["job_id"])  # cancelled by the fixture whatever happens
+    rest, err = client.communicate(timeout=240)
+    assert client.returncode == 0, err
+    followed = json.loads(rest)
+    database = Database(f"sqlite:///{daemon.env['SLURMFT_PATHS_STATE_DIR']}/slurmft.db")
+    run = SubmittedRun(submitted["run_id"], submitted["job_id"], shared, database)
+
+    final = followed["final"]
+    assert (final["state"], final["end_reason"]) == ("completed", "the training script finished")
+    assert (final["run_id"], final["job_id"], followed["spares"]) == (run.run_id, run.job_id, 1)
+    assert run.run().state is RunState.COMPLETED  # what the API said is what the store holds
+    # The timeline it followed holds the run's checkpoints and its end, in time order.
+    kinds = [entry["kind"] for entry in followed["entries"]]
+    assert "checkpoint" in kinds and kinds[-1] == "finish_run", kinds
+    times = [entry["at"] for entry in followed["entries"]]
+    assert times == sorted(times)
     records = run.jsonl("losses.jsonl")
     assert sorted({r["step"] for r in records}) == list(range(1, 16))
     # Its effective ratio is whole, and its wall time is its steps' span, ended with them.
-    first, _ = wait_for_value(
+    first_read, _ = wait_for_value(
         "the run's wall time to end with its last step",
         lambda: _effective(run),
         lambda row: row[1] is not None,
     )
     time.sleep(2)
     wall, ratio = _effective(run)
-    assert (wall, ratio) == first
+    assert (wall, ratio) == first_read
     assert ratio is not None and ratio >= 0.995
     assert wall == pytest.approx(records[-1]["time"] - records[0]["time"], abs=3.0)
     run.database.dispose()

@@ -28,7 +28,7 @@ from slurmft.agent.batch import (
     write_step_outcome,
 )
 from slurmft.agent.batch_step import BatchStep
-from slurmft.cli import submit_cmd
+from slurmft.api import submission
 from slurmft.config import load_config
 from slurmft.controller.spec import RunSpec
 from slurmft.core.budget import RestartBudget
@@ -479,7 +479,7 @@ def _planned(run: RunSpec) -> tuple[BatchSpec, SubmitRequest]:
     """What `slurmft submit` would send for ``run`` (nothing is run)."""
     created = {"run_id": "r1", "controller_url": "http://login:8787", "exclude": []}
     config = load_config(environ={}, system_file=Path("/nonexistent"))
-    return submit_cmd._plan(config, run, created, "/shared/ck/.slurmft/token")
+    return submission.batch_plan(config, run, created, "/shared/ck/.slurmft/token")
 
 
 def _agent_step(run: RunSpec) -> list[str]:

@@ -12,7 +12,7 @@ from slurmft.agent.agent import AgentSettings, NodeAgent
 from slurmft.agent.command import TorchrunSpec
 from slurmft.agent.exits import AgentExit
 from slurmft.agent.probe import NoGpuProbe
-from slurmft.cli import submit_cmd
+from slurmft.api import submission
 from slurmft.controller.spec import RunSpec, SpecError
 from slurmft.core import torch_support
 from slurmft.core.kinds import EventKind
@@ -21,18 +21,24 @@ REPO = Path(__file__).resolve().parents[3]
 SPEC = RunSpec(name="r", nodes=2, script=("train.py",), ckpt_dir="/shared/r", spares=1)
 
 
+def _fitted(explicit: bool, version: str, notes: list[str] | None = None) -> RunSpec:
+    note = (notes if notes is not None else []).append
+    return submission.spares_for_this_torch(SPEC, explicit=explicit, version=version, note=note)
+
+
 def test_a_known_torch_keeps_its_spares() -> None:
-    assert submit_cmd._spares_for_this_torch(SPEC, explicit=True, version="2.13.0+cpu").spares == 1
+    assert _fitted(True, "2.13.0+cpu").spares == 1
 
 
-def test_another_torch_runs_without_the_default_spare(capsys: pytest.CaptureFixture[str]) -> None:
-    assert submit_cmd._spares_for_this_torch(SPEC, explicit=False, version="2.4.1").spares == 0
-    assert "running without spares" in capsys.readouterr().err
+def test_another_torch_runs_without_the_default_spare() -> None:
+    notes: list[str] = []
+    assert _fitted(False, "2.4.1", notes).spares == 0
+    assert any("running without spares" in note for note in notes)
 
 
 def test_another_torch_refuses_spares_asked_for() -> None:
     with pytest.raises(SpecError, match=r"spares = 1: .*knows torch 2\.13, not 2\.4\.1"):
-        submit_cmd._spares_for_this_torch(SPEC, explicit=True, version="2.4.1")
+        _fitted(True, "2.4.1")
 
 
 def test_the_gate_reads_the_jobs_interpreter_not_the_login_venvs(
@@ -41,7 +47,7 @@ def test_the_gate_reads_the_jobs_interpreter_not_the_login_venvs(
     """The login node's slurmft may have another torch, or none: the version that counts is
     what `--python` imports (job_python.check_python runs it)."""
     monkeypatch.setattr(torch_support, "installed_version", lambda: None)
-    checked = submit_cmd._checked_torch(replace(SPEC, python=sys.executable))
+    checked = submission._checked_torch(replace(SPEC, python=sys.executable), print)
     assert checked == torch_support.metadata.version("torch")
 
 

@@ -10,18 +10,18 @@ from pathlib import Path
 import pytest
 
 from slurmft.agent.state_dir import StateDirError, check_state_dir
-from slurmft.cli.submit_cmd import _write_token
+from slurmft.api.submission import write_token
 
 TOKEN = "s3cret-token"
 
 
 def test_a_fresh_state_dir_is_private_and_the_token_is_the_owners_only(tmp_path: Path) -> None:
-    path = _write_token(str(tmp_path / "ckpt"), TOKEN)
+    path = write_token(str(tmp_path / "ckpt"), TOKEN)
     assert path == tmp_path / "ckpt" / ".slurmft" / "token"
     assert path.read_text() == TOKEN + "\n"
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
     assert stat.S_IMODE(path.parent.stat().st_mode) & 0o077 == 0
-    assert _write_token(str(tmp_path / "ckpt"), "next").read_text() == "next\n"  # replaced
+    assert write_token(str(tmp_path / "ckpt"), "next").read_text() == "next\n"  # replaced
     assert sorted(p.name for p in path.parent.iterdir()) == ["token"]  # no partial left
 
 
@@ -32,7 +32,7 @@ def test_a_state_dir_that_is_a_link_is_refused_and_nothing_is_written(tmp_path: 
     ckpt.mkdir()
     (ckpt / ".slurmft").symlink_to(elsewhere)
     with pytest.raises(StateDirError, match="is not a directory"):
-        _write_token(str(ckpt), TOKEN)
+        write_token(str(ckpt), TOKEN)
     assert list(elsewhere.iterdir()) == []
 
 
@@ -42,7 +42,7 @@ def test_a_token_name_that_is_a_link_is_replaced_not_followed(tmp_path: Path) ->
     ckpt = tmp_path / "ckpt"
     check_state_dir(str(ckpt))
     (ckpt / ".slurmft" / "token").symlink_to(target)
-    path = _write_token(str(ckpt), TOKEN)
+    path = write_token(str(ckpt), TOKEN)
     assert target.read_text() == "precious\n"
     assert not path.is_symlink() and path.read_text() == TOKEN + "\n"
 
@@ -52,7 +52,7 @@ def test_a_state_dir_others_may_write_is_refused(tmp_path: Path) -> None:
     folder.mkdir(parents=True)
     folder.chmod(0o777)
     with pytest.raises(StateDirError, match=r"written by group or others \(mode 777\)"):
-        _write_token(str(tmp_path / "ckpt"), TOKEN)
+        write_token(str(tmp_path / "ckpt"), TOKEN)
     assert list(folder.iterdir()) == []
 
 
@@ -62,7 +62,7 @@ def test_a_state_dir_another_user_made_is_refused(tmp_path: Path) -> None:
     folder.mkdir(parents=True, mode=0o700)
     os.chown(folder, 15002, 15002)
     with pytest.raises(StateDirError, match="belongs to uid 15002, not to you"):
-        _write_token(str(tmp_path / "ckpt"), TOKEN)
+        write_token(str(tmp_path / "ckpt"), TOKEN)
     assert list(folder.iterdir()) == []
 
 
