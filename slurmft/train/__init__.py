@@ -19,9 +19,12 @@ Checkpoints and exact resume
     CheckpointManager(root, keep_last)          check_shared_directory, save, latest_verified, load
     SaveRequest()                               SIGUSR1 / request file -> coordinated save
     GlobalOrderSampler(dataset_size, seed)      one global sample order; state = samples consumed
+    ResumableSampler(dataset_size, batch, seed) one rank's share of it, for a DataLoader
     plan_batches(global_batch, world, max_micro) -> BatchPlan   constant global batch
     TrainingContract, check_resume              refuse a changed global batch or LR schedule
     capture_rng_state, restore_rng_state        python/numpy/torch CPU+CUDA RNG as JSON
+PyTorch Lightning (slurmft.train.lightning, the `lightning` extra; not loaded from here)
+    SlurmftCallback(), ResumableLoader(dataset, batch_size, seed)
 
 The torch-free parts (report, heartbeat, stacks, manifest, sampler, batching, resume, straggler,
 save_request) can be imported by the node agent without torch: names from the torch modules are
@@ -55,6 +58,7 @@ _EXPORTS = {
     "capture_rng_state": "rng",
     "restore_rng_state": "rng",
     "GlobalOrderSampler": "sampler",
+    "ResumableSampler": "sampler",
     "SaveRequest": "save_request",
     "install_stack_dump": "stacks",
     "PeerGroups": "straggler",
@@ -81,6 +85,7 @@ __all__ = [
     "PeerGroups",
     "Phase",
     "ReportChannel",
+    "ResumableSampler",
     "ResumeRefused",
     "SaveRequest",
     "StepExchange",

@@ -141,3 +141,14 @@ def test_importing_slurmft_or_its_training_library_loads_no_socket_client() -> N
     loaded = modules_loaded_by("import slurmft\nslurmft.submit")
     assert {"slurmft.api", "slurmft.api.submission", "slurmft.controller.rpc"} <= loaded
     assert top_level(loaded, "sqlalchemy", "alembic", "torch") == set()
+
+
+def test_the_daemon_and_the_command_line_load_no_training_framework() -> None:
+    """The daemon, its command line and the Python API run where no torch, Lightning or
+    transformers is installed (the login node), and must not load them where they are."""
+    loaded = modules_loaded_by(
+        "import slurmft.controller.daemon, slurmft.cli.app, slurmft.api, slurmft.sim.engine"
+    )
+    assert "slurmft.controller.daemon" in loaded  # the probe imported what it names
+    frameworks = ("torch", "lightning", "pytorch_lightning", "lightning_fabric", "transformers")
+    assert top_level(loaded, *frameworks, "accelerate") == set()

@@ -55,7 +55,9 @@ class TinyRun:
         return torch.load(self.out_dir / "final_weights.pt")
 
 
-def torchrun_command(nproc: int, max_restarts: int, args: list[str]) -> list[str]:
+def torchrun_command(
+    nproc: int, max_restarts: int, args: list[str], module: str = "slurmft.train.examples.tiny"
+) -> list[str]:
     return [
         TORCHRUN,
         "--standalone",
@@ -63,7 +65,7 @@ def torchrun_command(nproc: int, max_restarts: int, args: list[str]) -> list[str
         f"--max-restarts={max_restarts}",
         "--monitor-interval=0.5",
         "-m",
-        "slurmft.train.examples.tiny",
+        module,
         *args,
     ]
 

@@ -4,7 +4,7 @@ import pytest
 
 from slurmft.train.batching import plan_batches
 from slurmft.train.resume import ResumeRefused
-from slurmft.train.sampler import GlobalOrderSampler
+from slurmft.train.sampler import GlobalOrderSampler, ResumableSampler
 
 # The sampler uses numpy, which comes with the train extra.
 pytestmark = pytest.mark.torch
@@ -58,3 +58,49 @@ def test_a_different_sample_order_is_refused() -> None:
     saved = GlobalOrderSampler(50, seed=1, consumed=24).state_dict()
     with pytest.raises(ResumeRefused, match="replay or skip"):
         GlobalOrderSampler(50, seed=2).load_state_dict(saved)
+
+
+def _global_batches(world: int, batch: int, consumed: int, steps: int) -> list[list[int]]:
+    """The next ``steps`` global batches as the ranks of a ``world``-size run read them (each
+    rank its own ResumableSampler resumed at ``consumed``)."""
+    ranks = []
+    for rank in range(world):
+        sampler = ResumableSampler(100, batch, seed=7, rank=rank, world_size=world)
+        sampler.load_state_dict({**sampler.state_dict(), "consumed": consumed, "epoch": 0})
+        ranks.append(list(sampler))
+    return [
+        sorted(i for rank in ranks for i in rank[step * batch : (step + 1) * batch])
+        for step in range(steps)
+    ]
+
+
+def test_resumable_sampler_shards_each_step_across_ranks_without_overlap() -> None:
+    shares = [list(ResumableSampler(100, 4, seed=7, rank=r, world_size=3)) for r in range(3)]
+    assert [len(s) for s in shares] == [32, 32, 32]  # 8 whole steps of 12; 4 samples left out
+    taken = [i for share in shares for i in share]
+    assert len(set(taken)) == 96 and set(taken) <= set(range(100))
+
+
+def test_resumable_sampler_resumes_at_the_same_samples_at_another_world_size() -> None:
+    """A global batch of 8: 2 ranks x 4 before the restart, 4 ranks x 2 after."""
+    whole = _global_batches(2, 4, 0, 12)
+    assert _global_batches(4, 2, 5 * 8, 7) == whole[5:]
+    assert _global_batches(2, 4, 5 * 8, 7) == whole[5:]
+
+
+def test_resumable_sampler_counts_what_was_trained_not_what_was_read() -> None:
+    sampler = ResumableSampler(100, 4, seed=7, rank=0, world_size=2)
+    first = list(sampler)  # a DataLoader reads ahead; only advance() moves the position
+    sampler.advance(3)
+    assert sampler.state_dict()["consumed"] == 24
+    assert list(sampler) == first[12:]
+    sampler.set_epoch(0)  # the same epoch again (a resume): where it stood
+    assert sampler.consumed == 24
+    sampler.set_epoch(1)  # the next epoch: from its start, in its own order
+    assert sampler.consumed == 0 and list(sampler) != first
+
+
+def test_resumable_sampler_refuses_another_sample_order() -> None:
+    saved = ResumableSampler(100, 4, seed=7, rank=0, world_size=2).state_dict()
+    with pytest.raises(ResumeRefused, match="sample order"):
+        ResumableSampler(100, 4, seed=8, rank=0, world_size=2).load_state_dict(saved)
