@@ -29,7 +29,7 @@ ensure_venv() {
         .venv/bin/python -m pip install -q torch==2.13.0 >&2
     fi
     echo "installing slurmft with its extras" >&2
-    .venv/bin/python -m pip install -q -e '.[train,postgres,dev,report,lightning]' >&2
+    .venv/bin/python -m pip install -q -e '.[train,postgres,dev,report,lightning,hf]' >&2
     # slurmft's own bytecode, once: an editable install compiles nothing, and where
     # PYTHONDONTWRITEBYTECODE is set (CI images often set it) every process that imports slurmft
     # (each agent, batch step, CLI call and training rank) would compile its modules again,

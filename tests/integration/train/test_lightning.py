@@ -19,7 +19,14 @@ import pytorch_lightning as pl
 import torch
 from lightning_fabric.plugins.environments.slurm import SLURMEnvironment
 from test_telemetry_run import wait_for_step
-from tiny_runs import RUN_TIMEOUT_S, AgentSocket, TinyRun, torchrun_command, torchrun_env
+from tiny_runs import (
+    RUN_TIMEOUT_S,
+    AgentSocket,
+    TinyRun,
+    run_module,
+    torchrun_command,
+    torchrun_env,
+)
 from torch.utils.data import DataLoader, TensorDataset
 
 from slurmft.train.examples.lightning_tiny import TinyModule, parse_args
@@ -31,22 +38,8 @@ MODULE = "slurmft.train.examples.lightning_tiny"
 STEPS = 30
 
 
-def run_lightning(
-    workdir: Path, *args: str, max_restarts: int = 0, agent: AgentSocket | None = None
-) -> TinyRun:
-    workdir.mkdir(parents=True, exist_ok=True)
-    argv = ["--ckpt-dir", str(workdir / "ckpt"), "--out-dir", str(workdir / "out"), *args]
-    extra = {"SLURMFT_AGENT_SOCKET": str(agent.path)} if agent is not None else {}
-    done = subprocess.run(
-        torchrun_command(2, max_restarts, argv, module=MODULE),
-        cwd=workdir,
-        env=torchrun_env(workdir, extra),
-        capture_output=True,
-        text=True,
-        timeout=RUN_TIMEOUT_S,
-        check=False,
-    )
-    return TinyRun(workdir, done.returncode, done.stdout + done.stderr)
+def run_lightning(workdir: Path, *args: str, **options: Any) -> TinyRun:
+    return run_module(MODULE, workdir, *args, **options)
 
 
 @pytest.fixture(scope="module")

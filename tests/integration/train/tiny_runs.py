@@ -78,6 +78,7 @@ def torchrun_env(workdir: Path, extra: dict[str, str] | None = None) -> dict[str
             # after a restart (notes/torchrun.md); the agent sets this too.
             "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
             "OMP_NUM_THREADS": "1",
+            "HF_HUB_OFFLINE": "1",  # the Hugging Face runs never reach a hub
             "SLURMFT_STACKS_DIR": str(workdir / "stacks"),
         }
     )
@@ -106,6 +107,31 @@ def run_tiny(
         torchrun_command(nproc, max_restarts, argv),
         cwd=workdir,
         env=torchrun_env(workdir, env),
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT_S,
+        check=False,
+    )
+    return TinyRun(workdir, done.returncode, done.stdout + done.stderr)
+
+
+def run_module(
+    module: str,
+    workdir: Path,
+    *args: str,
+    nproc: int = 2,
+    max_restarts: int = 0,
+    agent: AgentSocket | None = None,
+) -> TinyRun:
+    """An example training module (its --ckpt-dir and --out-dir under ``workdir``) under
+    torchrun, its ranks reporting to ``agent`` when given."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    argv = ["--ckpt-dir", str(workdir / "ckpt"), "--out-dir", str(workdir / "out"), *args]
+    extra = {"SLURMFT_AGENT_SOCKET": str(agent.path)} if agent is not None else {}
+    done = subprocess.run(
+        torchrun_command(nproc, max_restarts, argv, module=module),
+        cwd=workdir,
+        env=torchrun_env(workdir, extra),
         capture_output=True,
         text=True,
         timeout=RUN_TIMEOUT_S,

@@ -1,0 +1,145 @@
+"""A tiny Hugging Face `Trainer` run under slurmft: the usual Trainer, plus
+SlurmftTrainerCallback (slurmft.train.hf).
+
+    HF_HUB_OFFLINE=1 torchrun --standalone --nproc-per-node=2 -m slurmft.train.examples.hf_tiny \
+        --ckpt-dir /shared/ckpt --out-dir /tmp/out --steps 40 --ckpt-every 5
+
+Synthetic regression data made in code, a small torch module with dropout (so the RNG matters)
+that returns its loss as a transformers model does, AdamW with linear warmup and decay, DDP on
+gloo (NCCL where there are GPUs). The Trainer writes checkpoint-N every `--ckpt-every` steps
+and resumes from the newest. Rank 0 appends one JSON line per step to
+`<out-dir>/losses.jsonl`: the step, the loss the Trainer logged (the mean over the ranks), the
+LR, the world size and the time. `--crash-at-step N` SIGKILLs rank `--fault-rank` at step N in
+the first attempt of the workers (a test's injected fault; torchrun's restart resumes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+from transformers import Trainer, TrainerCallback, TrainingArguments, set_seed
+from transformers.trainer_utils import get_last_checkpoint
+
+from slurmft.train.distributed import exit_on_collective_error
+from slurmft.train.hf import SlurmftTrainerCallback
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--ckpt-dir", required=True)
+    p.add_argument("--out-dir", required=True)
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--ckpt-every", type=int, default=5)
+    p.add_argument("--batch-size", type=int, default=8, help="per rank")
+    p.add_argument("--samples", type=int, default=512)
+    p.add_argument("--lr", type=float, default=0.01)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--work-ms", type=float, default=0.0, help="simulated compute per step")
+    p.add_argument("--heartbeat-interval-s", type=float, default=5.0)
+    p.add_argument("--crash-at-step", type=int, default=0)
+    p.add_argument("--fault-rank", type=int, default=1)
+    return p.parse_args(argv)
+
+
+class Regression(Dataset[dict[str, torch.Tensor]]):
+    """y = x @ w + noise, the same on every rank and every restart."""
+
+    def __init__(self, samples: int, seed: int) -> None:
+        generator = torch.Generator().manual_seed(seed)
+        self.x = torch.randn(samples, 16, generator=generator)
+        w = torch.randn(16, 1, generator=generator)
+        self.y = self.x @ w + 0.1 * torch.randn(samples, 1, generator=generator)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return {"x": self.x[index], "labels": self.y[index]}
+
+
+class TinyRegressor(nn.Module):
+    def __init__(self, work_ms: float) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Dropout(0.1), nn.Linear(32, 1))
+        self.work_ms = work_ms
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> dict[str, Any]:
+        if self.work_ms and self.training:
+            time.sleep(self.work_ms / 1000)
+        prediction = self.net(x)
+        out: dict[str, Any] = {"logits": prediction}
+        if labels is not None:
+            out["loss"] = nn.functional.mse_loss(prediction, labels)
+        return out
+
+
+class LossLog(TrainerCallback):
+    """Rank 0 writes each step's logged loss; the fault rank dies at the crash step."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.path = Path(args.out_dir) / "losses.jsonl"
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kwargs: Any) -> None:
+        if state.is_world_process_zero and logs and "loss" in logs:
+            record = {"step": state.global_step, "loss": logs["loss"],
+                      "lr": logs.get("learning_rate"), "world_size": args.world_size,
+                      "time": time.time()}  # fmt: skip
+            with self.path.open("a") as out:
+                out.write(json.dumps(record) + "\n")
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if (
+            state.global_step == self.args.crash_at_step
+            and args.process_index == self.args.fault_rank
+            and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+        ):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    Path(args.out_dir).mkdir(parents=True, exist_ok=True)
+    set_seed(args.seed)  # before the model is made: its initial weights come from this seed
+    gpus = torch.cuda.is_available()
+    training = TrainingArguments(
+        output_dir=args.ckpt_dir,
+        max_steps=args.steps,
+        per_device_train_batch_size=args.batch_size,
+        learning_rate=args.lr,
+        lr_scheduler_type="linear",
+        warmup_steps=5,
+        save_strategy="steps",
+        save_steps=args.ckpt_every,
+        logging_steps=1,
+        report_to=[],
+        seed=args.seed,
+        use_cpu=not gpus,
+        ddp_backend="nccl" if gpus else "gloo",
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+    )
+    callback = SlurmftTrainerCallback(heartbeat_interval_s=args.heartbeat_interval_s)
+    trainer = Trainer(
+        model=TinyRegressor(args.work_ms),
+        args=training,
+        train_dataset=Regression(args.samples, args.seed),
+        callbacks=[callback, LossLog(args)],
+    )
+    folder = Path(args.ckpt_dir)
+    resume = get_last_checkpoint(str(folder)) if folder.is_dir() else None  # type: ignore[no-untyped-call]
+    with exit_on_collective_error(callback.channel):
+        trainer.train(resume_from_checkpoint=resume)
+
+
+if __name__ == "__main__":
+    main()
