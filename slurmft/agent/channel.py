@@ -31,6 +31,8 @@ RANK_EVENT_KINDS: dict[str, tuple[EventKind, FaultClass | None]] = {
     "collective_error": (EventKind.COLLECTIVE_ERROR, None),
     "checkpoint_saved": (EventKind.CHECKPOINT, None),
     "checkpoint_invalid": (EventKind.RANK_FAILURE, FaultClass.INFRASTRUCTURE),
+    # Its class is the re-run's verdict (`_numerical_class`): numerical, or this node's hardware.
+    "numerical_fault": (EventKind.NUMERICAL_FAULT, FaultClass.NUMERICAL),
 }
 _ENVELOPE = {"v", "kind", "time", "rank", "local_rank", "world_size", "run_id", "restart_count",
              "rdzv_round", "pid", "host"}
@@ -109,6 +111,10 @@ def to_record(message: dict[str, Any]) -> Record | None:
         if message["event"] == "checkpoint_saved" and int(message["rank"]) != 0:
             return None  # every rank saves its shard; one event per checkpoint is the progress
         event_kind, fault_class = RANK_EVENT_KINDS[message["event"]]
+        text = str(message["event"])
+        if event_kind is EventKind.NUMERICAL_FAULT:
+            fault_class = _numerical_class(message)
+            text = str(message.get("summary") or text)[:500]
         details = {k: v for k, v in message.items() if k not in _ENVELOPE}
         worker_round = _round_number(message.get("rdzv_round"))
         if worker_round is not None:
@@ -116,12 +122,18 @@ def to_record(message: dict[str, Any]) -> Record | None:
         return AgentEvent(
             kind=event_kind,
             occurred_at=float(message["time"]),
-            message=str(message["event"]),
+            message=text,
             rank=int(message["rank"]),
             fault_class=fault_class,
             details=details,
         )
     return None
+
+
+def _numerical_class(message: dict[str, Any]) -> FaultClass:
+    """A numerical fault its re-run reproduced is the data's or the model's; one it did not is
+    a suspected hardware fault of the reporting rank's node."""
+    return FaultClass.NUMERICAL if message.get("reproduced") is not False else FaultClass.HARDWARE
 
 
 class RankChannelServer:

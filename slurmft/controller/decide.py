@@ -263,6 +263,9 @@ def _decide_run(
         ]
     if job is None:
         return []
+    if run.numerical_stop is not None:  # the script's own policy: restarting would meet it again
+        running = job.phase is not JobPhase.ENDED
+        return _stop(run, run.numerical_stop, job_id=job.job_id if running else None)
     if job.phase is JobPhase.WAITING:
         # Waiting: nothing to recover; a node lost as the job was requeued is still recorded.
         return _lost_nodes(run, view, policy, gate)[0] + _keep_excluded(run, job, view)

@@ -45,6 +45,7 @@ from slurmft.db.models import (
     Attempt,
     Event,
     EventKind,
+    FaultClass,
     NodeRole,
     RankHeartbeat,
     Run,
@@ -53,7 +54,7 @@ from slurmft.db.models import (
 from slurmft.db.records import OBSERVE_ONLY, denied_nodes, record_control_error
 from slurmft.db.states import AttemptState, RunState
 from slurmft.gpu.api import FaultAction
-from slurmft.gpu.lemons import LEMON_WINDOW, XidOccurrence
+from slurmft.gpu.lemons import LEMON_WINDOW, SUSPECTED_CORRUPTION, XidOccurrence
 from slurmft.gpu.xids import classify_fault
 from slurmft.protocol import BATCH_STEP_AGENT
 from slurmft.slurm.api import (
@@ -419,6 +420,7 @@ def _run_view(
         beats=_beats(session, run.id, attempt, placed_since),
         compute=compute,
         gpu_faults=_gpu_faults(session, run.id, since),
+        numerical_stop=_numerical_stop(session, run.id, since),
         agents=_agents_seen(session, run.id, since),
         excluded=denied_nodes(session, run_id=run.id, now=now),
         steps_ask_gres=_steps_ask_gres(run),
@@ -634,6 +636,24 @@ def _gpu_faults(session: Session, run_id: str, since: datetime) -> tuple[GpuFaul
     )
 
 
+def _numerical_stop(session: Session, run_id: str, since: datetime) -> str | None:
+    """The words of this attempt's first numerical fault whose policy stops the run: its
+    workers reproduced a non-finite loss and exited (slurmft.train.numerical); None if none."""
+    events = session.scalars(
+        select(Event)
+        .where(
+            Event.run_id == run_id,
+            Event.kind == EventKind.NUMERICAL_FAULT,
+            Event.source == "agent",
+            Event.recorded_at >= since,
+        )
+        .order_by(Event.id)
+    ).all()
+    stops = (e for e in events if isinstance(e.details, dict) and e.details.get("action") == "stop")
+    first = next(stops, None)
+    return None if first is None else first.message
+
+
 def fault_action(details: dict[str, object], xid: int | None) -> FaultAction:
     """The daemon's own classification of an agent's report, from the fault's kind and code
     through the one table (slurmft.gpu.xids.classify_fault); the agent's stated action is kept
@@ -648,7 +668,8 @@ def fault_action(details: dict[str, object], xid: int | None) -> FaultAction:
 
 
 def xid_history(session: Session, *, now: datetime) -> tuple[XidOccurrence, ...]:
-    """Every run's Xids of the lemon window, the evidence decide judges lemons on."""
+    """Every run's Xids of the lemon window, and its numerical faults that a re-run did not
+    reproduce (SUSPECTED_CORRUPTION): the evidence decide judges lemons on."""
     rows = session.execute(
         select(Event.node, Event.run_id, Event.xid, Event.occurred_at).where(
             Event.kind == EventKind.GPU_FAULT,
@@ -659,8 +680,21 @@ def xid_history(session: Session, *, now: datetime) -> tuple[XidOccurrence, ...]
             Event.occurred_at >= now - LEMON_WINDOW,
         )
     ).all()
+    suspected = session.execute(
+        select(Event.node, Event.run_id, Event.occurred_at).where(
+            Event.kind == EventKind.NUMERICAL_FAULT,
+            Event.fault_class == FaultClass.HARDWARE,
+            Event.node.is_not(None),
+            Event.run_id.is_not(None),
+            Event.occurred_at >= now - LEMON_WINDOW,
+        )
+    ).all()
     known = cast("Iterable[tuple[str, str, int, datetime]]", rows)  # none NULL: the WHERE above
-    return tuple(XidOccurrence(node, run_id, xid, at) for node, run_id, xid, at in known)
+    corrupt = cast("Iterable[tuple[str, str, datetime]]", suspected)
+    return (
+        *(XidOccurrence(node, run_id, xid, at) for node, run_id, xid, at in known),
+        *(XidOccurrence(node, run_id, SUSPECTED_CORRUPTION, at) for node, run_id, at in corrupt),
+    )
 
 
 def _drains_since(session: Session, since: datetime) -> int:

@@ -110,15 +110,22 @@ def _restarts(session: Session, run_id: str, since: datetime) -> list[Sighting]:
 
 
 def _causes(session: Session, run_id: str, since: datetime) -> list[Sighting]:
-    """Nodes lost or taken out of the run, and hung workers killed, since ``since``."""
+    """Nodes lost or taken out of the run, hung workers killed, and numerical faults a re-run
+    reproduced (their workers exit under the `stop` policy), since ``since``."""
     kinds = {
         EventKind.NODE_LOST: Seen.NODE_REMOVED,
         EventKind.BATCH_HOST_DOWN: Seen.NODE_REMOVED,
         EventKind.HANG: Seen.HANG,
+        EventKind.NUMERICAL_FAULT: Seen.NUMERICAL,
     }
     events = session.execute(
         select(Event.kind, Event.recorded_at, Event.source).where(
-            Event.run_id == run_id, Event.kind.in_(kinds), Event.recorded_at >= since
+            Event.run_id == run_id,
+            Event.kind.in_(kinds),
+            Event.recorded_at >= since,
+            # A numerical fault not reproduced is the node's (training went on): no cause.
+            (Event.kind != EventKind.NUMERICAL_FAULT)
+            | (Event.fault_class == FaultClass.NUMERICAL),
         )
     ).all()
     leaves = session.scalars(

@@ -114,6 +114,8 @@ class RunView:
     beats: tuple[RankBeat, ...] = ()  # empty for a script that never imports slurmft.train
     compute: tuple[RankCompute, ...] = ()
     gpu_faults: tuple[GpuFault, ...] = ()
+    # Why the run's workers stopped on a reproduced numerical fault (its policy: stop), if so.
+    numerical_stop: str | None = None
     agents: tuple[AgentSeen, ...] = ()  # nodes whose agent reported in this attempt
     excluded: frozenset[str] = frozenset()  # nodes already out of this run
     steps_ask_gres: bool = False  # its agent steps ask for GRES (GPUs) on each node

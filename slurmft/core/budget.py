@@ -168,6 +168,7 @@ class Seen(StrEnum):
     CHECKPOINT = "checkpoint"  # a verified checkpoint (with its step)
     NODE_REMOVED = "node_removed"  # a node lost, or taken out of the run
     HANG = "hang"  # hung workers were killed
+    NUMERICAL = "numerical"  # a rank's non-finite loss, reproduced on re-run
     JOB_FAILED = "job_failed"  # an earlier job of the run failed and was resubmitted
 
 
@@ -270,17 +271,20 @@ def charged_restarts(
     cause_window_s: float = CAUSE_WINDOW_S,
 ) -> list[ChargedRestart]:
     """Every restart in the sightings, in time order, with its cause: in-place restarts (a
-    node removed near it, a hang killed just before it, else the user's code) and earlier
-    failed jobs (the user's code)."""
+    node removed near it, a hang killed just before it, a numerical fault reproduced just
+    before it, else the user's code) and earlier failed jobs (the user's code)."""
     window = timedelta(seconds=cause_window_s)
     removed = [s.at for s in sightings if s.kind is Seen.NODE_REMOVED]
     hangs = [s.at for s in sightings if s.kind is Seen.HANG]
+    numerical = [s.at for s in sightings if s.kind is Seen.NUMERICAL]
     restarts: list[ChargedRestart] = []
     for at, key in _named_groups(sightings, group_s):
         if any(abs(at - r) <= window for r in removed):
             restarts.append(ChargedRestart(at, FaultClass.HARDWARE, True, key))
         elif any(timedelta(0) <= at - h <= window for h in hangs):
             restarts.append(ChargedRestart(at, FaultClass.HANG, False, key))
+        elif any(timedelta(0) <= at - n <= window for n in numerical):
+            restarts.append(ChargedRestart(at, FaultClass.NUMERICAL, False, key))
         else:
             restarts.append(ChargedRestart(at, FaultClass.USER_CODE, False, key))
     restarts += [

@@ -53,6 +53,10 @@ class EventKind(enum.StrEnum):
     COLLECTIVE_ERROR = "collective_error"  # a rank saw a peer fail: evidence, not a failure
     RESTART = "restart"  # workers restarted (in place, spare joined, new step, requeue, new job)
     CHECKPOINT = "checkpoint"  # a verified checkpoint: progress
+    # A rank's loss (or gradients) went non-finite (slurmft.train.numerical): re-run once in
+    # place; reproduced, it is numerical (the run's policy applied: record, skip, stop); not
+    # reproduced, a suspected hardware fault of the rank's node (lemon evidence).
+    NUMERICAL_FAULT = "numerical_fault"
     # The daemon could not observe, decide or act for this run in a control pass (bad data, a
     # bug): the error is the message; the pass went on for the other runs.
     CONTROL_ERROR = "control_error"

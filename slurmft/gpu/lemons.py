@@ -20,6 +20,11 @@ from slurmft.gpu.xids import APPLICATION_XIDS
 
 # The restart-class Xids a node's lemon standing is judged on: the last two weeks'.
 LEMON_WINDOW = timedelta(days=14)
+# No Xid: a numerical fault that a re-run of the same step on the same data did not reproduce
+# (slurmft.train.numerical), a suspected silent corruption on that rank's node. Judged like a
+# restart-class Xid: one run alone never makes a lemon.
+SUSPECTED_CORRUPTION = 0
+LEMON_EVIDENCE = APPLICATION_XIDS | {SUSPECTED_CORRUPTION}
 
 
 @dataclass(frozen=True)
@@ -46,7 +51,7 @@ def judge_lemons(
     min_runs: int = TrustSection.lemon_min_runs,
     window: timedelta = LEMON_WINDOW,
     max_nodes_per_run: int = 1,
-    xids: frozenset[int] = APPLICATION_XIDS,
+    xids: frozenset[int] = LEMON_EVIDENCE,
 ) -> dict[str, LemonVerdict]:
     """A verdict for every node with restart-class Xids in the window."""
     if min_runs < 2:
@@ -72,12 +77,21 @@ def _verdict(
 ) -> LemonVerdict:
     ordered, codes = tuple(sorted(runs)), tuple(sorted(xids))
     is_lemon = len(ordered) >= min_runs
-    xid_text = "/".join(str(x) for x in codes)
+    xid_text = _evidence_text(codes)
     if is_lemon:
         reason = (
-            f"slurmft: lemon: Xid {xid_text} in {len(ordered)} different runs "
+            f"slurmft: lemon: {xid_text} in {len(ordered)} different runs "
             f"within {window.days} days"
         )
     else:
-        reason = f"Xid {xid_text} in {len(ordered)} run(s) attributable to this node; not a lemon"
+        reason = f"{xid_text} in {len(ordered)} run(s) attributable to this node; not a lemon"
     return LemonVerdict(node, is_lemon, ordered, codes, reason)
+
+
+def _evidence_text(codes: tuple[int, ...]) -> str:
+    """`Xid 13/31`, and the suspected corruptions in words."""
+    xids = [str(code) for code in codes if code != SUSPECTED_CORRUPTION]
+    parts = [f"Xid {'/'.join(xids)}"] if xids else []
+    if SUSPECTED_CORRUPTION in codes:
+        parts.append("numerical faults not reproduced on re-run")
+    return " and ".join(parts)

@@ -23,6 +23,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +56,7 @@ from slurmft.train import (
     plan_batches,
     restore_rng_state,
 )
+from slurmft.train.numerical import NUMERICAL_STOP_EXIT_CODE, NumericalGuard, NumericalVerdict
 from slurmft.train.report import rdzv_round
 
 DATASET_SIZE = 600
@@ -102,6 +104,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kill-during-save", default="", help="STEP[@ATTEMPT]: SIGKILL mid-save")
     p.add_argument("--hang-at-step", default="", help="STEP[@ATTEMPT]: stop calling collectives")
     p.add_argument("--fault-rank", type=int, default=1)
+    p.add_argument(
+        "--numerical-policy",
+        choices=["off", "record", "stop", "skip"],
+        default=None,
+        help="what a non-finite loss that a re-run reproduces does (slurmft.train.numerical;\n"
+        "default: $SLURMFT_NUMERICAL_POLICY, else record)",
+    )
+    p.add_argument("--check-grads", action="store_true", help="also check local gradients")
+    p.add_argument("--poison-index", type=int, default=-1, help="a dataset sample made NaN")
+    p.add_argument(
+        "--nan-once-at-step",
+        default="",
+        help="STEP[@ATTEMPT]: --fault-rank's loss is NaN once (its re-run is finite)",
+    )
     return p.parse_args(argv)
 
 
@@ -170,11 +186,14 @@ class Journal:
         self._append(self.events, {"event": event, "time": time.time(), **fields})
 
 
-def synthetic_dataset(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def synthetic_dataset(seed: int, poison_index: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
     x = torch.randn(DATASET_SIZE, FEATURES, generator=generator)
     w = torch.randn(FEATURES, 1, generator=generator)
-    return x, x @ w + 0.1 * torch.randn(DATASET_SIZE, 1, generator=generator)
+    y = x @ w + 0.1 * torch.randn(DATASET_SIZE, 1, generator=generator)
+    if poison_index >= 0:  # a corrupt record: every step that reads it has a NaN loss
+        x[poison_index] = float("nan")
+    return x, y
 
 
 def build_model(seed: int, dropout: float) -> nn.Module:
@@ -222,7 +241,8 @@ class TinyRun:
         self.journal = Journal(Path(args.out_dir), self.rank)
         self.plan = make_plan(args, self.world)
         # Data and weights are made on the CPU (identical on every rank and backend), then moved.
-        self.x, self.y = (t.to(info.device) for t in synthetic_dataset(args.seed))
+        data = synthetic_dataset(args.seed, args.poison_index)
+        self.x, self.y = (t.to(info.device) for t in data)
         self.model = build_model(args.seed, args.dropout).to(info.device)
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=args.lr, momentum=0.9)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -237,6 +257,10 @@ class TinyRun:
         self.detector = StragglerDetector(PeerGroups.uniform(self.world), args.straggler_window)
         self.named: set[int] = set()
         self.save_request = SaveRequest()
+        self.guard = NumericalGuard(
+            channel, args.numerical_policy, device=info.device, timer=self.timer
+        )
+        self._nan_injected = False
         self.step = 0
         root = args.ckpt_dir.replace("{rank}", str(self.rank))
         self.checkpoints = CheckpointManager(
@@ -323,11 +347,18 @@ class TinyRun:
             self.model.train()
         self.journal.event("eval", step=self.step, loss=loss)
 
-    def _forward_backward(self) -> tuple[float, list[int]]:
-        loss_sum, seen = 0.0, []
+    def _forward_backward(self) -> tuple[float, list[int], list[int]]:
+        """This rank's share of the step: its loss sum, the samples it read, and those whose
+        loss was not finite."""
+        loss_sum, seen, bad = 0.0, [], []
         for indices in self.sampler.rank_micro_batches(self.plan, self.rank):
             out = self.model(self.x[indices])
-            loss = ((out - self.y[indices]) ** 2).sum()
+            if self._inject_nan_once():
+                out = out * float("nan")
+            per_sample = ((out - self.y[indices]) ** 2).sum(dim=1)
+            finite = torch.isfinite(per_sample).tolist()
+            bad += [i for i, ok in zip(indices, finite, strict=True) if not ok]
+            loss = per_sample.sum()
             (loss / self.plan.global_batch).backward()  # grads of the global-batch mean
             loss_sum += loss.item()
             seen.extend(indices)
@@ -336,7 +367,39 @@ class TinyRun:
         if slow and self.step >= self.args.slow_from_step:
             work_s *= 1.0 + self.args.slow_factor
         time.sleep(work_s)
-        return loss_sum, seen
+        return loss_sum, seen, bad
+
+    def _inject_nan_once(self) -> bool:
+        """A fault of the node, not of the data: one NaN on the fault rank, not again."""
+        due = fault_due(self.args.nan_once_at_step, self.step + 1, self.rank, self.args.fault_rank)
+        if due and not self._nan_injected:
+            self._nan_injected = True
+            return True
+        return False
+
+    def _checked_step(
+        self, params: Sequence[torch.Tensor]
+    ) -> tuple[float, list[int], torch.Tensor, NumericalVerdict | None]:
+        """Forward and backward, checked for non-finite values before the reduction (and re-run
+        once in place when a rank found some: slurmft.train.numerical)."""
+        self.guard.begin_step()
+        result: dict[str, Any] = {}
+
+        def attempt() -> list[int]:
+            self.optimizer.zero_grad(set_to_none=False)
+            loss_sum, seen, bad = self._forward_backward()
+            flat = torch.cat([grad_of(p).reshape(-1) for p in params])
+            if self.args.check_grads and not bool(torch.isfinite(flat).all()):
+                bad = [*bad, -1]  # non-finite gradients, no sample to name
+            result.update(loss_sum=loss_sum, seen=seen, flat=flat)
+            return bad
+
+        with self.timer.compute():
+            bad = attempt()
+        # Outside the compute section: the guard times its all-reduce as wait, its re-run as
+        # compute.
+        verdict = self.guard.check(self.step + 1, bad, attempt)
+        return result["loss_sum"], result["seen"], result["flat"], verdict
 
     def _reduce(self, flat: torch.Tensor) -> tuple[torch.Tensor, list[float] | None, bool]:
         pending = self.save_request.pending()
@@ -353,10 +416,22 @@ class TinyRun:
     def train_step(self) -> tuple[list[float] | None, bool]:
         self.timer.start_step(self.step + 1)
         params = list(self.model.parameters())
-        with self.timer.compute():
-            self.optimizer.zero_grad(set_to_none=False)
-            loss_sum, seen = self._forward_backward()
-            flat = torch.cat([grad_of(p).reshape(-1) for p in params])
+        loss_sum, seen, flat, verdict = self._checked_step(params)
+        if verdict is not None and verdict.reproduced:
+            found = {"action": verdict.action, "samples": list(verdict.samples)}
+            self.journal.event("numerical_fault", step=self.step + 1, **found)
+            if verdict.action == "stop":
+                sys.stdout.flush()
+                sys.exit(NUMERICAL_STOP_EXIT_CODE)
+            if verdict.action == "skip":  # no update; the batch's samples are passed over
+                self.sampler.advance(self.plan)
+                self.step += 1
+                self.timer.end_step()
+                return None, False
+        elif verdict is not None:
+            self.journal.event(
+                "numerical_retried", step=self.step + 1, ranks=list(verdict.first_ranks)
+            )
         with self.timer.wait():
             flat, compute_times, save_requested = self._reduce(flat)
             stats = torch.tensor(

@@ -60,6 +60,26 @@ def test_rank_messages_become_wire_records() -> None:
     assert server.counters.malformed == 1
 
 
+def test_a_numerical_fault_is_numerical_when_reproduced_and_the_nodes_when_not() -> None:
+    path = str(Path(tempfile.mkdtemp(prefix="ch-")) / "ranks.sock")
+    server = RankChannelServer(path)
+    try:
+        channel = ReportChannel(path, IDENTITY)
+        for reproduced in (True, False):
+            channel.send("event", event="numerical_fault", step=28, reproduced=reproduced,
+                         action="skip" if reproduced else "continue", samples=[7],
+                         summary=f"the words {reproduced}")  # fmt: skip
+        data, suspect = server.drain()
+    finally:
+        server.close()
+    assert isinstance(data, AgentEvent) and isinstance(suspect, AgentEvent)
+    assert (data.kind, data.fault_class, data.message) == (
+        "numerical_fault", "numerical", "the words True"
+    )
+    assert (suspect.fault_class, suspect.rank) == ("hardware", 4)
+    assert data.details["samples"] == [7] and data.details["action"] == "skip"
+
+
 def test_rounds_from_torchrun_and_a_workers_round_on_its_reports() -> None:
     path = str(Path(tempfile.mkdtemp(prefix="ch-")) / "ranks.sock")
     server = RankChannelServer(path)

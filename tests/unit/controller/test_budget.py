@@ -203,3 +203,10 @@ def test_the_reason_when_the_batch_step_gave_up_on_a_count_the_daemon_did_not_se
     ).stop_reason()
     assert reason.startswith("crash loop: more than 5 restarts in a row without a newer")
     assert "-1" not in reason and "(policy.max_restarts_without_progress)" in reason
+
+
+def test_a_restart_after_a_reproduced_numerical_fault_is_charged_as_numerical() -> None:
+    history = [Sighting(Seen.NUMERICAL, _at(0)), *_restart(5, "a", "b"), *_restart(300, "a")]
+    budget = budget_from_history(history, 5)
+    assert budget.restarts_by_class == {"numerical": 1, "user_code": 1}
+    assert budget.restarts_without_progress == 2  # charged, not free: rerunning meets it again

@@ -37,7 +37,7 @@ from slurmft.core.budget import Restart, RestartBudget, Seen, Sighting
 from slurmft.db.models import EventKind, FaultClass, NodeRole
 from slurmft.db.states import RunState
 from slurmft.gpu.api import FaultAction
-from slurmft.gpu.lemons import XidOccurrence
+from slurmft.gpu.lemons import SUSPECTED_CORRUPTION, XidOccurrence, judge_lemons
 
 NOW = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
 POLICY = Policy(straggler_window_buckets=3)
@@ -280,9 +280,7 @@ CASES = [
     ),
     (
         "the same rank hung again at a later step of the attempt: restarted again",
-        _view(
-            _run(beats=_beats(r1={"age": 400.0}), reported=frozenset({"hang:1:step:overdue:4"}))
-        ),
+        _view(_run(beats=_beats(r1={"age": 400.0}), reported=frozenset({"hang:1:step:overdue:4"}))),
         [("RecordEvent", "hang@n2"), ("RestartWorkers", "n2")],
     ),
     (
@@ -812,3 +810,29 @@ def test_silence_is_counted_from_the_daemons_start_at_the_earliest(
     assert _summary(decide(_view(_run(**FROZEN_NODE)), POLICY)) == UNRESPONSIVE  # as before
     view = _view(_run(**FROZEN_NODE), listening_since=NOW - timedelta(seconds=started_s_ago))
     assert _summary(decide(view, POLICY)) == expected
+
+
+def test_a_numerical_fault_that_stops_the_run_stops_it_with_its_words() -> None:
+    why = "non-finite loss at step 28, again when re-run on the same data (samples 7): ..."
+    action, notice = decide(_view(_run(numerical_stop=why)), POLICY)
+    assert isinstance(action, FinishRun) and action.state is RunState.STOPPED
+    assert (action.job_id, action.reason) == ("101", why)
+    assert isinstance(notice, NotifyHuman) and why in notice.reason
+    ended = _run(numerical_stop=why, job=JobView("101", JobPhase.ENDED, JobEnd.FAILED))
+    action, _ = decide(_view(ended), POLICY)  # not resubmitted: it would meet the fault again
+    assert isinstance(action, FinishRun) and action.job_id is None
+
+
+def test_numerical_faults_not_reproduced_in_two_runs_make_a_node_a_lemon() -> None:
+    suspected = tuple(
+        XidOccurrence("n2", run, SUSPECTED_CORRUPTION, NOW - timedelta(days=1))
+        for run in ("a", "b")
+    )
+    verdicts = judge_lemons(suspected, now=NOW, min_runs=2)
+    assert verdicts["n2"].is_lemon
+    assert verdicts["n2"].reason == (
+        "slurmft: lemon: numerical faults not reproduced on re-run in 2 different runs "
+        "within 14 days"
+    )
+    one = judge_lemons(suspected[:1] + _xids("n2", "c"), now=NOW, min_runs=3)
+    assert "Xid 13 and numerical faults not reproduced on re-run in 2 run(s)" in one["n2"].reason
