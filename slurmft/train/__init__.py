@@ -15,6 +15,7 @@ Step timing and stragglers
     all_reduce_with_telemetry(flat, compute_s, save_requested)   piggy-back on the grad reduce
     exchange_telemetry(compute_s, save_requested)                 or a 2-float all_gather
     PeerGroups, StragglerDetector               name ranks > 20 % over their peers' median
+    StragglerNotices(channel, detector, speaks) tell the agent when the named set changes
 Checkpoints and exact resume
     CheckpointManager(root, keep_last)          check_shared_directory, save, latest_verified, load
     SaveRequest()                               SIGUSR1 / request file -> coordinated save
@@ -64,6 +65,7 @@ _EXPORTS = {
     "PeerGroups": "straggler",
     "Straggler": "straggler",
     "StragglerDetector": "straggler",
+    "StragglerNotices": "straggler",
     "StepExchange": "timing",
     "StepTimer": "timing",
     "StepTiming": "timing",
@@ -93,6 +95,7 @@ __all__ = [
     "StepTiming",
     "Straggler",
     "StragglerDetector",
+    "StragglerNotices",
     "TrainingContract",
     "VerifiedCheckpoint",
     "all_reduce_with_telemetry",

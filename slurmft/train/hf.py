@@ -41,7 +41,7 @@ from slurmft.train.report import ReportChannel
 from slurmft.train.resume import TrainingContract, check_resume
 from slurmft.train.save_request import SaveRequest
 from slurmft.train.stacks import install_stack_dump
-from slurmft.train.straggler import PeerGroups, StragglerDetector
+from slurmft.train.straggler import PeerGroups, StragglerDetector, StragglerNotices
 from slurmft.train.timing import StepTimer, exchange_telemetry
 
 CONTRACT_FILE = "slurmft.json"  # beside the Trainer's files in each checkpoint-N folder
@@ -76,11 +76,10 @@ class SlurmftTrainerCallback(TrainerCallback):
         self.heartbeat = Heartbeat(self.channel, heartbeat_interval_s, deadlines_s or {})
         self.save_request = SaveRequest()
         self.timer: StepTimer | None = None
-        self.detector: StragglerDetector | None = None
+        self.stragglers: StragglerNotices | None = None
         self._hooks: list[Any] = []
         self._section: AbstractContextManager[None] | None = None
         self._save_agreed = False
-        self._named: set[int] = set()
         self.compute_times: list[float] | None = None
 
     # -- start and end ---------------------------------------------------------------------
@@ -104,8 +103,9 @@ class SlurmftTrainerCallback(TrainerCallback):
         if state.global_step > 0:
             self._check_resume(args, state)
         self.timer = StepTimer(args.device, self.heartbeat)
-        self.detector = StragglerDetector(
-            PeerGroups.uniform(args.world_size), self.straggler_window
+        detector = StragglerDetector(PeerGroups.uniform(args.world_size), self.straggler_window)
+        self.stragglers = StragglerNotices(
+            self.channel, detector, speaks=state.is_world_process_zero
         )
         if model is not None:
             self._hooks = [
@@ -162,14 +162,14 @@ class SlurmftTrainerCallback(TrainerCallback):
     def on_step_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> TrainerControl:
-        assert self.timer is not None and self.detector is not None
+        assert self.timer is not None
         timing = self.timer.end_step()
         self.heartbeat.progress(state.global_step)
         if timing is not None:
             self.channel.send("step", step=state.global_step, compute_s=timing.compute_s,
                               wait_s=timing.wait_s, total_s=timing.total_s)  # fmt: skip
-        if self.compute_times is not None and len(self.compute_times) > 1:
-            self._observe_stragglers(state, self.compute_times)
+        if self.stragglers is not None and self.compute_times is not None:
+            self.stragglers.observe(state.global_step, self.compute_times)
         if self._save_agreed:  # every rank agreed in the same exchange: every rank saves now
             control.should_save = True
         if control.should_evaluate:
@@ -177,16 +177,6 @@ class SlurmftTrainerCallback(TrainerCallback):
         elif control.should_save:
             self.heartbeat.enter(Phase.CHECKPOINT, state.global_step)
         return control
-
-    def _observe_stragglers(self, state: TrainerState, compute_times: list[float]) -> None:
-        assert self.detector is not None
-        stragglers = self.detector.observe(compute_times)
-        ranks = {s.rank for s in stragglers}
-        if ranks != self._named and state.is_world_process_zero:
-            for s in stragglers:
-                self.channel.send("straggler", step=state.global_step, straggler_rank=s.rank,
-                                  group=s.group, ratio=s.ratio, window=s.window)  # fmt: skip
-        self._named = ranks
 
     # -- evaluation and checkpoints ------------------------------------------------------------
     def on_evaluate(

@@ -60,7 +60,7 @@ from slurmft.train.rng import capture_rng_state, restore_rng_state
 from slurmft.train.sampler import ResumableSampler
 from slurmft.train.save_request import SaveRequest
 from slurmft.train.stacks import install_stack_dump
-from slurmft.train.straggler import PeerGroups, StragglerDetector
+from slurmft.train.straggler import PeerGroups, StragglerDetector, StragglerNotices
 from slurmft.train.timing import StepTimer, exchange_telemetry
 
 STATE_KEY = "slurmft"  # the callback's part of a Lightning checkpoint
@@ -174,12 +174,11 @@ class SlurmftCallback(pl.Callback):
         self.heartbeat: Heartbeat | None = None
         self.timer: StepTimer | None = None
         self.save_request: SaveRequest | None = None
-        self.detector: StragglerDetector | None = None
+        self.stragglers: StragglerNotices | None = None
         self._saved: dict[str, Any] | None = None  # the resumed checkpoint's part, until checked
         self._schedule: dict[str, Any] = {}  # this run's, read at fit start (before a restore)
         self._section: AbstractContextManager[None] | None = None
         self._save_agreed = False
-        self._named: set[int] = set()
         self.compute_times: list[float] | None = None  # every rank's, from the last exchange
 
     # -- set-up and tear-down ------------------------------------------------------------------
@@ -195,9 +194,8 @@ class SlurmftCallback(pl.Callback):
         self.heartbeat.start()
         self.timer = StepTimer(pl_module.device, self.heartbeat)
         self.save_request = SaveRequest()
-        self.detector = StragglerDetector(
-            PeerGroups.uniform(trainer.world_size), self.straggler_window
-        )
+        detector = StragglerDetector(PeerGroups.uniform(trainer.world_size), self.straggler_window)
+        self.stragglers = StragglerNotices(self.channel, detector, speaks=rank == 0)
         strategy = trainer.strategy
         if not isinstance(strategy.checkpoint_io, _ReportingCheckpointIO):
             strategy.checkpoint_io = _ReportingCheckpointIO(strategy.checkpoint_io, self.channel)
@@ -341,20 +339,10 @@ class SlurmftCallback(pl.Callback):
         if timing is not None:
             self.channel.send("step", step=trainer.global_step, compute_s=timing.compute_s,
                               wait_s=timing.wait_s, total_s=timing.total_s)  # fmt: skip
-        if self.compute_times is not None and len(self.compute_times) > 1:
-            self._observe_stragglers(trainer, self.compute_times)
+        if self.stragglers is not None and self.compute_times is not None:
+            self.stragglers.observe(trainer.global_step, self.compute_times)
         if self._save_agreed:
             self._coordinated_save(trainer)
-
-    def _observe_stragglers(self, trainer: pl.Trainer, compute_times: list[float]) -> None:
-        assert self.detector is not None and self.channel is not None
-        stragglers = self.detector.observe(compute_times)
-        ranks = {s.rank for s in stragglers}
-        if ranks != self._named and trainer.global_rank == 0:
-            for s in stragglers:
-                self.channel.send("straggler", step=trainer.global_step, straggler_rank=s.rank,
-                                  group=s.group, ratio=s.ratio, window=s.window)  # fmt: skip
-        self._named = ranks
 
     def _coordinated_save(self, trainer: pl.Trainer) -> None:
         """Every rank saw the agreement in the same exchange, so every rank saves here."""

@@ -14,6 +14,8 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from slurmft.train.report import ReportChannel
+
 
 class PeerGroups:
     """Which ranks have comparable step times: `group_of_rank[r]` names rank r's group."""
@@ -78,3 +80,27 @@ class StragglerDetector:
                 group = self.groups.group_of_rank[rank]
                 found.append(Straggler(rank, group, round(ratio, 3), self.window))
         return found
+
+
+class StragglerNotices:
+    """Tells the agent when the set of named stragglers changes: rank 0 speaks for the run (every
+    rank runs the detector on the same exchanged times, so every rank reaches the same set)."""
+
+    def __init__(self, channel: ReportChannel, detector: StragglerDetector, *, speaks: bool):
+        self.channel = channel
+        self.detector = detector
+        self.speaks = speaks
+        self.named: set[int] = set()
+
+    def observe(self, step: int, compute_s: Sequence[float]) -> list[Straggler] | None:
+        """The stragglers after this step's times, when the set changed (else None)."""
+        stragglers = self.detector.observe(compute_s)
+        ranks = {s.rank for s in stragglers}
+        if ranks == self.named:
+            return None
+        self.named = ranks
+        if self.speaks:
+            for s in stragglers:
+                self.channel.send("straggler", step=step, straggler_rank=s.rank, group=s.group,
+                                  ratio=s.ratio, window=s.window)  # fmt: skip
+        return stragglers

@@ -16,9 +16,6 @@ the first attempt of the workers (a test's injected fault; torchrun's restart re
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -30,34 +27,20 @@ from transformers import Trainer, TrainerCallback, TrainingArguments, set_seed
 from transformers.trainer_utils import get_last_checkpoint
 
 from slurmft.train.distributed import exit_on_collective_error
+from slurmft.train.examples.framework_runs import (
+    append_loss,
+    crash_if_due,
+    parse_args,
+    regression_data,
+)
 from slurmft.train.hf import SlurmftTrainerCallback
-
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--ckpt-dir", required=True)
-    p.add_argument("--out-dir", required=True)
-    p.add_argument("--steps", type=int, default=40)
-    p.add_argument("--ckpt-every", type=int, default=5)
-    p.add_argument("--batch-size", type=int, default=8, help="per rank")
-    p.add_argument("--samples", type=int, default=512)
-    p.add_argument("--lr", type=float, default=0.01)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--work-ms", type=float, default=0.0, help="simulated compute per step")
-    p.add_argument("--heartbeat-interval-s", type=float, default=5.0)
-    p.add_argument("--crash-at-step", type=int, default=0)
-    p.add_argument("--fault-rank", type=int, default=1)
-    return p.parse_args(argv)
 
 
 class Regression(Dataset[dict[str, torch.Tensor]]):
     """y = x @ w + noise, the same on every rank and every restart."""
 
     def __init__(self, samples: int, seed: int) -> None:
-        generator = torch.Generator().manual_seed(seed)
-        self.x = torch.randn(samples, 16, generator=generator)
-        w = torch.randn(16, 1, generator=generator)
-        self.y = self.x @ w + 0.1 * torch.randn(samples, 1, generator=generator)
+        self.x, self.y = regression_data(samples, seed)
 
     def __len__(self) -> int:
         return len(self.x)
@@ -87,27 +70,20 @@ class LossLog(TrainerCallback):
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
-        self.path = Path(args.out_dir) / "losses.jsonl"
 
     def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kwargs: Any) -> None:
         if state.is_world_process_zero and logs and "loss" in logs:
-            record = {"step": state.global_step, "loss": logs["loss"],
-                      "lr": logs.get("learning_rate"), "world_size": args.world_size,
-                      "time": time.time()}  # fmt: skip
-            with self.path.open("a") as out:
-                out.write(json.dumps(record) + "\n")
+            append_loss(self.args.out_dir, {
+                "step": state.global_step, "loss": logs["loss"], "lr": logs.get("learning_rate"),
+                "world_size": args.world_size, "time": time.time(),
+            })  # fmt: skip
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if (
-            state.global_step == self.args.crash_at_step
-            and args.process_index == self.args.fault_rank
-            and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
-        ):
-            os.kill(os.getpid(), signal.SIGKILL)
+        crash_if_due(self.args, state.global_step, args.process_index)
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
+    args = parse_args(__doc__.splitlines()[0], argv)
     Path(args.out_dir).mkdir(parents=True, exist_ok=True)
     set_seed(args.seed)  # before the model is made: its initial weights come from this seed
     gpus = torch.cuda.is_available()

@@ -15,9 +15,7 @@ first attempt of the workers (a test's injected fault; torchrun's restart resume
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -29,33 +27,13 @@ from pytorch_lightning.strategies import DDPStrategy
 from torch import nn
 from torch.utils.data import TensorDataset
 
+from slurmft.train.examples.framework_runs import (
+    append_loss,
+    crash_if_due,
+    parse_args,
+    regression_data,
+)
 from slurmft.train.lightning import ResumableLoader, SlurmftCallback
-
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--ckpt-dir", required=True)
-    p.add_argument("--out-dir", required=True)
-    p.add_argument("--steps", type=int, default=40)
-    p.add_argument("--ckpt-every", type=int, default=5)
-    p.add_argument("--batch-size", type=int, default=8, help="per rank")
-    p.add_argument("--samples", type=int, default=512)
-    p.add_argument("--lr", type=float, default=0.01)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--work-ms", type=float, default=0.0, help="simulated compute per step")
-    p.add_argument("--heartbeat-interval-s", type=float, default=5.0)
-    p.add_argument("--crash-at-step", type=int, default=0)
-    p.add_argument("--fault-rank", type=int, default=1)
-    return p.parse_args(argv)
-
-
-def synthetic_data(samples: int, seed: int) -> TensorDataset:
-    """y = x @ w + noise, the same on every rank and every restart."""
-    generator = torch.Generator().manual_seed(seed)
-    x = torch.randn(samples, 16, generator=generator)
-    w = torch.randn(16, 1, generator=generator)
-    y = x @ w + 0.1 * torch.randn(samples, 1, generator=generator)
-    return TensorDataset(x, y)
 
 
 class TinyModule(pl.LightningModule):
@@ -63,10 +41,9 @@ class TinyModule(pl.LightningModule):
         super().__init__()
         self.args = args
         self.net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Dropout(0.1), nn.Linear(32, 1))
-        self.losses = Path(args.out_dir) / "losses.jsonl"
 
     def train_dataloader(self) -> ResumableLoader:
-        data = synthetic_data(self.args.samples, self.args.seed)
+        data = TensorDataset(*regression_data(self.args.samples, self.args.seed))
         return ResumableLoader(data, batch_size=self.args.batch_size, seed=self.args.seed)
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> Any:
@@ -76,21 +53,14 @@ class TinyModule(pl.LightningModule):
         loss = nn.functional.mse_loss(self.net(x), y)
         step = self.trainer.global_step + 1
         if self.trainer.global_rank == 0:
-            record = {
+            append_loss(self.args.out_dir, {
                 "step": step,
                 "loss": loss.item(),
                 "lr": self.trainer.optimizers[0].param_groups[0]["lr"],
                 "world_size": self.trainer.world_size,
                 "time": time.time(),
-            }
-            with self.losses.open("a") as out:
-                out.write(json.dumps(record) + "\n")
-        if (
-            step == self.args.crash_at_step
-            and self.trainer.global_rank == self.args.fault_rank
-            and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
-        ):
-            os.kill(os.getpid(), signal.SIGKILL)
+            })  # fmt: skip
+        crash_if_due(self.args, step, self.trainer.global_rank)
         return loss
 
     def configure_optimizers(self) -> Any:
@@ -100,7 +70,7 @@ class TinyModule(pl.LightningModule):
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
+    args = parse_args(__doc__.splitlines()[0], argv)
     Path(args.out_dir).mkdir(parents=True, exist_ok=True)
     pl.seed_everything(args.seed, workers=True)
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))

@@ -46,6 +46,7 @@ from slurmft.train import (
     SaveRequest,
     StepTimer,
     StragglerDetector,
+    StragglerNotices,
     TrainingContract,
     all_reduce_with_telemetry,
     check_resume,
@@ -254,8 +255,8 @@ class TinyRun:
             {"kind": "warmup-linear", "lr": args.lr, "warmup": args.warmup, "total": args.steps},
         )
         self.timer = StepTimer(info.device, heartbeat)
-        self.detector = StragglerDetector(PeerGroups.uniform(self.world), args.straggler_window)
-        self.named: set[int] = set()
+        detector = StragglerDetector(PeerGroups.uniform(self.world), args.straggler_window)
+        self.stragglers = StragglerNotices(channel, detector, speaks=self.rank == 0)
         self.save_request = SaveRequest()
         self.guard = NumericalGuard(
             channel, args.numerical_policy, device=info.device, timer=self.timer
@@ -474,25 +475,14 @@ class TinyRun:
         return compute_times, save_requested
 
     def observe_stragglers(self, compute_times: list[float]) -> None:
-        stragglers = self.detector.observe(compute_times)
-        ranks = {s.rank for s in stragglers}
-        if ranks != self.named and self.rank == 0:
-            for s in stragglers:
-                self.channel.send(
-                    "straggler",
-                    step=self.step,
-                    straggler_rank=s.rank,
-                    group=s.group,
-                    ratio=s.ratio,
-                    window=s.window,
-                )
+        stragglers = self.stragglers.observe(self.step, compute_times)
+        if stragglers is not None:
             self.journal.event(
                 "stragglers",
                 step=self.step,
                 ranks=[{"rank": s.rank, "ratio": s.ratio} for s in stragglers],
                 compute_s=compute_times,
             )
-        self.named = ranks
 
     def run(self, heartbeat: Heartbeat) -> None:
         with heartbeat.phase(Phase.INIT):

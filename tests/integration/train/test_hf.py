@@ -10,19 +10,16 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
-from test_telemetry_run import wait_for_step
 from tiny_runs import (
-    RUN_TIMEOUT_S,
     AgentSocket,
     TinyRun,
+    assert_phases_and_step_timings,
     run_module,
-    torchrun_command,
-    torchrun_env,
+    run_with_save_request,
 )
 
 from slurmft.train.hf import CONTRACT_FILE
@@ -84,40 +81,14 @@ def test_every_checkpoint_the_trainer_writes_is_reported_with_its_contract(
 def test_heartbeats_carry_phases_and_steps_their_timing(
     uninterrupted: tuple[TinyRun, list[dict[str, Any]]],
 ) -> None:
-    _, messages = uninterrupted
-    beats = [m for m in messages if m["kind"] == "heartbeat"]
-    assert {m["rank"] for m in beats} == {0, 1}
-    assert {"init", "step", "done"} <= {m["phase"] for m in beats}
-    steps = [m for m in messages if m["kind"] == "step"]
-    for rank in (0, 1):
-        mine = [m for m in steps if m["rank"] == rank]
-        assert [m["step"] for m in mine] == list(range(1, STEPS + 1))
-        for m in mine:
-            assert m["compute_s"] > 0 and m["wait_s"] >= 0
-            assert m["total_s"] >= m["compute_s"] + m["wait_s"]
+    assert_phases_and_step_timings(uninterrupted[1], STEPS)
 
 
 def test_a_save_request_makes_every_rank_save_at_one_step(tmp_path: Path) -> None:
-    request_file = tmp_path / "save-request"
-    args = [
-        "--ckpt-dir", str(tmp_path / "ckpt"), "--out-dir", str(tmp_path / "out"),
-        "--steps", "40", "--ckpt-every", "1000", "--work-ms", "100",
-    ]  # fmt: skip
-    env = torchrun_env(tmp_path, {"SLURMFT_SAVE_REQUEST_FILE": str(request_file)})
-    process = subprocess.Popen(
-        torchrun_command(2, 0, args, module=MODULE), cwd=tmp_path, env=env, text=True,
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-    )  # fmt: skip
-    try:
-        losses = tmp_path / "out" / "losses.jsonl"
-        wait_for_step(losses, 10, process)
-        requested_after = max(json.loads(x)["step"] for x in losses.read_text().splitlines())
-        request_file.touch()  # what the agent does on Slurm's time-limit signal
-        output, _ = process.communicate(timeout=RUN_TIMEOUT_S)
-    finally:
-        if process.poll() is None:
-            process.kill()
-    assert process.returncode == 0, output[-4000:]
+    run, requested_after = run_with_save_request(
+        MODULE, tmp_path, "--steps", "40", "--ckpt-every", "1000", "--work-ms", "100"
+    )
+    assert run.returncode == 0, run.output[-4000:]
     # The Trainer saves at max_steps too; the requested save is the one before it.
     steps = sorted(int(p.name.removeprefix("checkpoint-")) for p in (tmp_path / "ckpt").iterdir())
     assert len(steps) == 2 and steps[1] == 40, steps

@@ -8,9 +8,8 @@ is refused; Lightning's own Slurm requeue and a loader that cannot resume are re
 
 from __future__ import annotations
 
-import json
+import argparse
 import shutil
-import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -18,18 +17,17 @@ import pytest
 import pytorch_lightning as pl
 import torch
 from lightning_fabric.plugins.environments.slurm import SLURMEnvironment
-from test_telemetry_run import wait_for_step
 from tiny_runs import (
-    RUN_TIMEOUT_S,
     AgentSocket,
     TinyRun,
+    assert_phases_and_step_timings,
     run_module,
-    torchrun_command,
-    torchrun_env,
+    run_with_save_request,
 )
 from torch.utils.data import DataLoader, TensorDataset
 
-from slurmft.train.examples.lightning_tiny import TinyModule, parse_args
+from slurmft.train.examples.framework_runs import parse_args
+from slurmft.train.examples.lightning_tiny import TinyModule
 from slurmft.train.lightning import STATE_KEY, LightningConflict, SlurmftCallback
 
 pytestmark = pytest.mark.torch
@@ -99,42 +97,14 @@ def test_every_checkpoint_lightning_writes_is_reported_once_on_disk(
 def test_heartbeats_carry_phases_and_steps_their_timing(
     uninterrupted: tuple[TinyRun, list[dict[str, Any]]],
 ) -> None:
-    _, messages = uninterrupted
-    beats = [m for m in messages if m["kind"] == "heartbeat"]
-    assert {m["rank"] for m in beats} == {0, 1}
-    phases = {m["phase"] for m in beats}
-    assert {"init", "step", "done"} <= phases, phases
-    assert beats[-1]["phase"] == "done" or any(m["phase"] == "done" for m in beats[-4:])
-    steps = [m for m in messages if m["kind"] == "step"]
-    for rank in (0, 1):
-        mine = [m for m in steps if m["rank"] == rank]
-        assert [m["step"] for m in mine] == list(range(1, STEPS + 1))
-        for m in mine:
-            assert m["compute_s"] > 0 and m["wait_s"] >= 0
-            assert m["total_s"] >= m["compute_s"] + m["wait_s"]
+    assert_phases_and_step_timings(uninterrupted[1], STEPS)
 
 
 def test_a_save_request_makes_every_rank_save_at_one_step(tmp_path: Path) -> None:
-    request_file = tmp_path / "save-request"
-    args = [
-        "--ckpt-dir", str(tmp_path / "ckpt"), "--out-dir", str(tmp_path / "out"),
-        "--steps", "40", "--ckpt-every", "1000", "--work-ms", "100",
-    ]  # fmt: skip
-    env = torchrun_env(tmp_path, {"SLURMFT_SAVE_REQUEST_FILE": str(request_file)})
-    process = subprocess.Popen(
-        torchrun_command(2, 0, args, module=MODULE), cwd=tmp_path, env=env, text=True,
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-    )  # fmt: skip
-    try:
-        losses = tmp_path / "out" / "losses.jsonl"
-        wait_for_step(losses, 10, process)
-        requested_after = max(json.loads(x)["step"] for x in losses.read_text().splitlines())
-        request_file.touch()  # what the agent does on Slurm's time-limit signal
-        output, _ = process.communicate(timeout=RUN_TIMEOUT_S)
-    finally:
-        if process.poll() is None:
-            process.kill()
-    assert process.returncode == 0, output[-4000:]
+    run, requested_after = run_with_save_request(
+        MODULE, tmp_path, "--steps", "40", "--ckpt-every", "1000", "--work-ms", "100"
+    )
+    assert run.returncode == 0, run.output[-4000:]
     saved = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=False)
     # One save, at the step boundary after the request, with both ranks' state in it.
     assert requested_after < saved["global_step"] <= requested_after + 3
@@ -155,9 +125,14 @@ def test_a_changed_global_batch_is_refused(
     assert "the global batch would change from 16 to 8" in run.output, run.output[-3000:]
 
 
-def _fit_one_process(tmp_path: Path, **trainer_options: Any) -> None:
-    args = parse_args(["--ckpt-dir", str(tmp_path / "ck"), "--out-dir", str(tmp_path / "out")])
+def _args(tmp_path: Path) -> argparse.Namespace:
     (tmp_path / "out").mkdir()
+    return parse_args("lightning_tiny", ["--ckpt-dir", str(tmp_path / "ck"),
+                                         "--out-dir", str(tmp_path / "out")])  # fmt: skip
+
+
+def _fit_one_process(tmp_path: Path, **trainer_options: Any) -> None:
+    args = _args(tmp_path)
     trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False,
                          enable_progress_bar=False, enable_checkpointing=False,
                          use_distributed_sampler=False, **trainer_options)  # fmt: skip
@@ -177,8 +152,7 @@ def test_a_loader_that_cannot_resume_exactly_is_refused(tmp_path: Path) -> None:
             data = TensorDataset(torch.randn(64, 16), torch.randn(64, 1))
             return DataLoader(data, batch_size=8)
 
-    args = parse_args(["--ckpt-dir", str(tmp_path / "ck"), "--out-dir", str(tmp_path / "out")])
-    (tmp_path / "out").mkdir()
+    args = _args(tmp_path)
     trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False,
                          enable_progress_bar=False, enable_checkpointing=False,
                          callbacks=[SlurmftCallback()])  # fmt: skip

@@ -11,12 +11,17 @@ import signal
 import statistics
 import subprocess
 from collections import defaultdict
-from pathlib import Path
 from typing import Any
 
 import pytest
-from support.waiting import wait_for
-from tiny_runs import RUN_TIMEOUT_S, AgentSocket, TinyRun, torchrun_command, torchrun_env
+from tiny_runs import (
+    RUN_TIMEOUT_S,
+    AgentSocket,
+    TinyRun,
+    torchrun_command,
+    torchrun_env,
+    wait_for_step,
+)
 
 # serial: a rank 30% slower than its peers, a save longer than the step deadline.
 pytestmark = [pytest.mark.torch, pytest.mark.serial]
@@ -27,19 +32,6 @@ WINDOW = 10
 STEP_DEADLINE_S = 1.0
 SLOW_SAVE_S = 2.5
 HEARTBEAT_INTERVAL_S = 0.25
-
-
-def wait_for_step(losses: Path, step: int, process: subprocess.Popen[str]) -> None:
-    def reached() -> bool:
-        if losses.exists() and any(
-            json.loads(line)["step"] >= step for line in losses.read_text().splitlines()
-        ):
-            return True
-        # An ended run will never get there: fail now, not at the timeout.
-        assert process.poll() is None, f"the run ended before step {step}"
-        return False
-
-    wait_for(reached, RUN_TIMEOUT_S, f"the run to reach step {step}", interval_s=0.05)
 
 
 @pytest.fixture(scope="module")

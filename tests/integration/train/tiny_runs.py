@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from support.waiting import wait_for
+
 from slurmft.train.report import decode
 
 TORCHRUN = str(Path(sys.executable).parent / "torchrun")
@@ -55,8 +57,11 @@ class TinyRun:
         return torch.load(self.out_dir / "final_weights.pt")
 
 
+TINY = "slurmft.train.examples.tiny"
+
+
 def torchrun_command(
-    nproc: int, max_restarts: int, args: list[str], module: str = "slurmft.train.examples.tiny"
+    nproc: int, max_restarts: int, args: list[str], module: str = TINY
 ) -> list[str]:
     return [
         TORCHRUN,
@@ -95,24 +100,9 @@ def run_tiny(
     ckpt_dir: str | None = None,
     env: dict[str, str] | None = None,
 ) -> TinyRun:
-    workdir.mkdir(parents=True, exist_ok=True)
-    argv = [
-        "--ckpt-dir",
-        ckpt_dir or str(workdir / "ckpt"),
-        "--out-dir",
-        str(workdir / "out"),
-        *args,
-    ]
-    done = subprocess.run(
-        torchrun_command(nproc, max_restarts, argv),
-        cwd=workdir,
-        env=torchrun_env(workdir, env),
-        capture_output=True,
-        text=True,
-        timeout=RUN_TIMEOUT_S,
-        check=False,
-    )
-    return TinyRun(workdir, done.returncode, done.stdout + done.stderr)
+    """The hand-written example (slurmft.train.examples.tiny) under torchrun."""
+    return run_module(TINY, workdir, *args, nproc=nproc, max_restarts=max_restarts,
+                      ckpt_dir=ckpt_dir, env=env)  # fmt: skip
 
 
 def run_module(
@@ -122,16 +112,19 @@ def run_module(
     nproc: int = 2,
     max_restarts: int = 0,
     agent: AgentSocket | None = None,
+    ckpt_dir: str | None = None,
+    env: dict[str, str] | None = None,
 ) -> TinyRun:
-    """An example training module (its --ckpt-dir and --out-dir under ``workdir``) under
-    torchrun, its ranks reporting to ``agent`` when given."""
+    """An example training module (its --ckpt-dir and --out-dir under ``workdir`` unless
+    given) under torchrun, its ranks reporting to ``agent`` when given."""
     workdir.mkdir(parents=True, exist_ok=True)
-    argv = ["--ckpt-dir", str(workdir / "ckpt"), "--out-dir", str(workdir / "out"), *args]
+    ckpt = ckpt_dir or str(workdir / "ckpt")
+    argv = ["--ckpt-dir", ckpt, "--out-dir", str(workdir / "out"), *args]
     extra = {"SLURMFT_AGENT_SOCKET": str(agent.path)} if agent is not None else {}
     done = subprocess.run(
         torchrun_command(nproc, max_restarts, argv, module=module),
         cwd=workdir,
-        env=torchrun_env(workdir, extra),
+        env=torchrun_env(workdir, {**extra, **(env or {})}),
         capture_output=True,
         text=True,
         timeout=RUN_TIMEOUT_S,
@@ -180,3 +173,53 @@ class AgentSocket:
         self._stop.set()
         self._thread.join()
         self.sock.close()
+
+
+def run_with_save_request(module: str, workdir: Path, *args: str) -> tuple[TinyRun, int]:
+    """A run at world size 2 whose save-request file is touched (what the agent does on Slurm's
+    time-limit signal) once it has written step 10; the run and the last step written before."""
+    request_file = workdir / "save-request"
+    argv = ["--ckpt-dir", str(workdir / "ckpt"), "--out-dir", str(workdir / "out"), *args]
+    env = torchrun_env(workdir, {"SLURMFT_SAVE_REQUEST_FILE": str(request_file)})
+    process = subprocess.Popen(
+        torchrun_command(2, 0, argv, module=module), cwd=workdir, env=env, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    try:
+        losses = workdir / "out" / "losses.jsonl"
+        wait_for_step(losses, 10, process)
+        requested_after = max(json.loads(x)["step"] for x in losses.read_text().splitlines())
+        request_file.touch()
+        output, _ = process.communicate(timeout=RUN_TIMEOUT_S)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    return TinyRun(workdir, process.returncode, output), requested_after
+
+
+def wait_for_step(losses: Path, step: int, process: subprocess.Popen[str]) -> None:
+    def reached() -> bool:
+        if losses.exists() and any(
+            json.loads(line)["step"] >= step for line in losses.read_text().splitlines()
+        ):
+            return True
+        # An ended run will never get there: fail now, not at the timeout.
+        assert process.poll() is None, f"the run ended before step {step}"
+        return False
+
+    wait_for(reached, RUN_TIMEOUT_S, f"the run to reach step {step}", interval_s=0.05)
+
+
+def assert_phases_and_step_timings(messages: list[dict[str, Any]], steps: int) -> None:
+    """Both ranks' heartbeats went through init, step and done; each sent every step's timing,
+    compute and wait within the step's total."""
+    beats = [m for m in messages if m["kind"] == "heartbeat"]
+    assert {m["rank"] for m in beats} == {0, 1}
+    assert {"init", "step", "done"} <= {m["phase"] for m in beats}
+    timings = [m for m in messages if m["kind"] == "step"]
+    for rank in (0, 1):
+        mine = [m for m in timings if m["rank"] == rank]
+        assert [m["step"] for m in mine] == list(range(1, steps + 1))
+        for m in mine:
+            assert m["compute_s"] > 0 and m["wait_s"] >= 0
+            assert m["total_s"] >= m["compute_s"] + m["wait_s"]
