@@ -425,6 +425,9 @@ class NodeAgent:
             )
         elif event.kind == EventKind.CHECKPOINT and isinstance(event.details.get("step"), int):
             self.sightings.record(Seen.CHECKPOINT, step=event.details["step"], at=event.occurred_at)
+        elif event.kind == EventKind.NUMERICAL_FAULT and event.fault_class == FaultClass.NUMERICAL:
+            # Reproduced on re-run: under `stop` the workers exit and torchrun restarts them.
+            self.sightings.record(Seen.NUMERICAL, at=event.occurred_at)
 
     def _kill_hung_workers(self) -> None:
         alive = [

@@ -37,7 +37,9 @@ from slurmft.core.exits import StepOutcome
 log = logging.getLogger(__name__)
 
 SIGHTINGS_SUFFIX = ".sightings.jsonl"
-RECORDED_KINDS = frozenset({Seen.FAILURE, Seen.RESTART, Seen.CHECKPOINT, Seen.HANG})
+RECORDED_KINDS = frozenset(
+    {Seen.FAILURE, Seen.RESTART, Seen.CHECKPOINT, Seen.HANG, Seen.NUMERICAL}
+)
 
 
 def sightings_path(step_dir: str, node: str) -> Path:

@@ -168,20 +168,29 @@ def test_the_agent_records_restarts_collective_errors_and_checkpoints(tmp_path: 
         rank = 2 + local_rank
         return RankHeartbeat(rank, local_rank, "step", 1, 0.1, 300.0, False, T0, restart_count)
 
-    def event(kind: EventKind, rank: int, **details: object) -> AgentEvent:
-        return AgentEvent(kind=kind, occurred_at=T0, rank=rank, details=dict(details))
+    def event(kind: EventKind, rank: int, cls: str | None = None, **details: object) -> AgentEvent:
+        return AgentEvent(kind=kind, occurred_at=T0, rank=rank, fault_class=cls,
+                          details=dict(details))  # fmt: skip
 
     first = [beat(0, 0), beat(1, 0)]  # the first workers: no restart
     saved = event(EventKind.CHECKPOINT, 0, step=5)
+    stopped = event(EventKind.NUMERICAL_FAULT, 2, "numerical", step=6, action="stop")
+    suspect = event(EventKind.NUMERICAL_FAULT, 3, "hardware", step=4)  # the node's: no cause
     failed = event(EventKind.COLLECTIVE_ERROR, 3, error="peer closed")
     restarted = [beat(0, 1), beat(1, 1)]
-    agent._take_reports(Channel(*first, saved, failed, *restarted))  # type: ignore[arg-type]
+    reports = Channel(*first, saved, suspect, stopped, failed, *restarted)
+    agent._take_reports(reports)  # type: ignore[arg-type]
     seen = read_step(str(step_dir))
     assert [(s.kind, s.agent, s.rank, s.step) for s in seen] == [
         (Seen.CHECKPOINT, "n2", -1, 5),
+        (Seen.NUMERICAL, "n2", -1, -1),
         (Seen.FAILURE, "n2", 3, -1),
         (Seen.RESTART, "n2", -1, -1),  # once for the node, not once per local rank
     ]
+    # The batch step charges the failure after it as the daemon does: to the numerical class
+    # (the restart here is recorded at the wall clock's now, a failure of its own).
+    budget = charge_step(RestartBudget(max_restarts_without_progress=5), seen)
+    assert budget.restarts_by_class["numerical"] == 1
 
 
 @pytest.mark.parametrize(("grace_s", "stops"), [(0.0, True), (600.0, False)])
