@@ -236,3 +236,25 @@ def test_a_large_runs_agents_report_less_often_so_the_run_sends_a_bounded_rate(
 def test_a_controller_url_that_is_no_http_url_is_a_clear_config_error() -> None:
     with pytest.raises(ConfigError, match=r"agent.controller_url 'login1:8787' is not http"):
         HttpTransport("login1:8787", "token")
+
+
+@pytest.mark.parametrize(
+    ("environment", "expected"),
+    [
+        ({"SLURM_STEP_NUM_NODES": "2049", "SLURM_NNODES": "4000"}, 2049),  # the step's, spares in
+        ({"SLURM_NNODES": "2049"}, 2049),  # an older srun: the job's count
+        ({"SLURM_STEP_NUM_NODES": "", "SLURM_NNODES": "x"}, 2048),  # unreadable: the training nodes
+        ({"SLURM_STEP_NUM_NODES": "0"}, 2048),
+        ({}, 2048),
+    ],
+)
+def test_the_agent_counts_its_steps_agents_from_slurm_else_the_training_nodes(
+    monkeypatch: pytest.MonkeyPatch, environment: dict[str, str], expected: int
+) -> None:
+    from slurmft.cli.agent_cmd import _step_agents
+
+    for name in ("SLURM_STEP_NUM_NODES", "SLURM_NNODES"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in environment.items():
+        monkeypatch.setenv(name, value)
+    assert _step_agents(2048) == expected
