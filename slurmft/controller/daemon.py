@@ -60,7 +60,7 @@ from slurmft.controller.user_ops import RunQuota, operations
 from slurmft.controller.webhook import WebhookOutbox
 from slurmft.db import Database, DatabaseUnavailable
 from slurmft.db.models import ActionStatus
-from slurmft.db.retention import fold_step_times, prune_heartbeat_samples
+from slurmft.db.retention import fold_minute, minutes_to_fold, prune_heartbeat_samples
 from slurmft.slurm import CliSlurmClient, SlurmClient
 from slurmft.slurm.api import SlurmError
 from slurmft.slurm.lost_sightings import LostSightings
@@ -263,12 +263,13 @@ class Daemon:
         try:
             # A minute of one run per transaction: the store's writer lock (SQLite's one) is
             # held for one minute's fold at a time, and agents' reports commit in between.
-            for _ in range(RETENTION_MINUTES_PER_PASS):
+            with self.database.session() as session:
+                todo = minutes_to_fold(
+                    session, now - raw_window, max_minutes=RETENTION_MINUTES_PER_PASS
+                )
+            for run_id, minute in todo:
                 with self.database.session() as session:
-                    minute = fold_step_times(session, now - raw_window, max_minutes=1)
-                if not minute:
-                    break
-                folded += minute
+                    folded += fold_minute(session, run_id, minute)
             with self.database.session() as session:
                 pruned = prune_heartbeat_samples(session, now - samples_window)
         except DatabaseUnavailable as exc:

@@ -125,14 +125,21 @@ def _fold_minute(session: Session, run_id: str, minute: datetime) -> int:
 
 
 def fold_step_times(session: Session, older_than: datetime, *, max_minutes: int = 60) -> int:
-    """Fold raw step times that ended before ``older_than`` into minute aggregates.
+    """Fold raw step times that ended before ``older_than`` into minute aggregates, in this
+    session's one transaction; returns the number of raw rows folded. (The daemon folds each
+    minute of `minutes_to_fold` in a transaction of its own: `fold_minute`.)"""
+    todo = minutes_to_fold(session, older_than, max_minutes=max_minutes)
+    return sum(fold_minute(session, run_id, minute) for run_id, minute in todo)
 
-    Works through at most ``max_minutes`` (run, minute) groups per call, oldest first, so one
-    retention pass stays short; returns the number of raw rows folded.
-    """
+
+def minutes_to_fold(
+    session: Session, older_than: datetime, *, max_minutes: int = 60
+) -> list[tuple[str, datetime]]:
+    """The (run, minute) groups of raw step times that ended before ``older_than``, oldest
+    first per run, at most ``max_minutes``: read once, so a pass folding them one transaction at
+    a time does not group the whole table again for each."""
     cutoff = floor_minute(older_than)
-    folded = 0
-    done = 0
+    found: list[tuple[str, datetime]] = []
     starts = session.execute(
         select(StepTime.run_id, func.min(StepTime.ended_at))
         .where(StepTime.ended_at < cutoff)
@@ -140,9 +147,8 @@ def fold_step_times(session: Session, older_than: datetime, *, max_minutes: int 
     ).all()
     for run_id, first in starts:
         minute = floor_minute(first)
-        while minute < cutoff and done < max_minutes:
-            folded += _fold_minute(session, run_id, minute)
-            done += 1
+        while minute < cutoff and len(found) < max_minutes:
+            found.append((run_id, minute))
             next_minute = session.execute(
                 select(func.min(StepTime.ended_at)).where(
                     StepTime.run_id == run_id, StepTime.ended_at >= minute + timedelta(minutes=1)
@@ -151,7 +157,12 @@ def fold_step_times(session: Session, older_than: datetime, *, max_minutes: int 
             if next_minute is None:
                 break
             minute = floor_minute(next_minute)
-    return folded
+    return found
+
+
+def fold_minute(session: Session, run_id: str, minute: datetime) -> int:
+    """One run's raw step times of one minute into its aggregates; the raw rows folded."""
+    return _fold_minute(session, run_id, minute)
 
 
 def prune_heartbeat_samples(session: Session, older_than: datetime) -> int:

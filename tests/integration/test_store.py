@@ -27,7 +27,12 @@ from slurmft.db.models import (
     StepTime,
     StepTimeMinute,
 )
-from slurmft.db.retention import fold_step_times, prune_heartbeat_samples
+from slurmft.db.retention import (
+    fold_minute,
+    fold_step_times,
+    minutes_to_fold,
+    prune_heartbeat_samples,
+)
 from slurmft.db.states import AttemptState, IllegalTransition, RunState
 
 T0 = datetime(2026, 11, 1, tzinfo=UTC)
@@ -376,11 +381,18 @@ def test_a_retention_pass_folds_one_minute_per_transaction(database: Database) -
     with database.session() as s:
         record_step_times(s, "rM", None, reports)
     cutoff = T0 + timedelta(minutes=2, seconds=30)
+    # The daemon's way: the minutes to fold read once (minute 2 is not before the cutoff) ...
+    with database.session() as s:
+        todo = minutes_to_fold(s, cutoff, max_minutes=60)
+    assert todo == [("rM", T0), ("rM", T0 + timedelta(minutes=1))]
+    # ... then each minute folded in a transaction of its own.
     folded = []
-    for _ in range(5):
+    for run_id, minute in todo:
         with database.session() as s:
-            folded.append(fold_step_times(s, cutoff, max_minutes=1))
-    assert folded == [40, 40, 0, 0, 0]
+            folded.append(fold_minute(s, run_id, minute))
+    assert folded == [40, 40]
+    with database.session() as s:
+        assert fold_step_times(s, cutoff, max_minutes=1) == 0  # nothing left before the cutoff
     with database.session() as s:
         assert s.scalar(select(func.count()).select_from(StepTimeMinute)) == 8
         assert s.scalar(select(func.count()).select_from(StepTime)) == 40
