@@ -170,8 +170,17 @@ class AgentSocket:
         return [m for _, m in self.messages if m["kind"] == kind]
 
     def close(self) -> None:
+        """Stop receiving, and keep what the kernel still holds: a rank's last datagrams (an
+        exit's report) can arrive just before its run ends, after the thread's last read."""
         self._stop.set()
         self._thread.join()
+        self.sock.setblocking(False)
+        while True:
+            try:
+                payload = self.sock.recv(65536)
+            except BlockingIOError:
+                break
+            self.messages.append((time.monotonic(), decode(payload)))
         self.sock.close()
 
 
