@@ -77,7 +77,7 @@ def _as_spec(spec: Any) -> tuple[RunSpec, bool]:
     if isinstance(spec, str | os.PathLike):
         path = Path(spec)
         loaded = RunSpec.from_toml(path)
-        return loaded, "spares" in _toml_fields(path)
+        return loaded, spec_file_sets(path, "spares")
     if isinstance(spec, Mapping):
         data = dict(spec)
         data.setdefault("name", default_name(list(data.get("script") or ())))
@@ -88,10 +88,11 @@ def _as_spec(spec: Any) -> tuple[RunSpec, bool]:
     )
 
 
-def _toml_fields(path: Path) -> set[str]:
+def spec_file_sets(path: Path | None, field: str) -> bool:
+    """Whether a spec file names ``field`` (a value it gives, not the default)."""
     import tomllib
 
-    return set(tomllib.loads(path.read_text()))
+    return path is not None and field in tomllib.loads(path.read_text())
 
 
 def _with_python(spec: RunSpec) -> RunSpec:

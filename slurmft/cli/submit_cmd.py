@@ -86,12 +86,6 @@ def _env_pair(item: str) -> tuple[str, str]:
     return name, os.environ[name]
 
 
-def _spec_file_sets(spec_file: Path | None, field: str) -> bool:
-    import tomllib
-
-    return spec_file is not None and field in tomllib.loads(spec_file.read_text())
-
-
 def submit(  # noqa: PLR0917 (typer: one parameter per option)
     ctx: typer.Context,
     script: Annotated[
@@ -216,6 +210,7 @@ def submit(  # noqa: PLR0917 (typer: one parameter per option)
     """
     from slurmft.api import plan_submission
     from slurmft.api import submit as submit_run
+    from slurmft.api.submission import spec_file_sets
 
     options: dict[str, object] = {
         "nodes": nodes,
@@ -245,7 +240,7 @@ def submit(  # noqa: PLR0917 (typer: one parameter per option)
         options["nproc_per_node"] = int(nproc_per_node)
     added = _added_lists(sbatch_arg, srun_arg, setup, env)
     spec = _spec_from(spec_file, list(script or []), options, added)
-    explicit_spares = spares is not None or _spec_file_sets(spec_file, "spares")
+    explicit_spares = spares is not None or spec_file_sets(spec_file, "spares")
     config = state(ctx).config
     if dry_run:
         plan = plan_submission(spec, config=config, spares_explicit=explicit_spares, on_note=_note)
