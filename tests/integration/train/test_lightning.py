@@ -126,17 +126,20 @@ def test_a_changed_global_batch_is_refused(
 
 
 def _args(tmp_path: Path) -> argparse.Namespace:
-    (tmp_path / "out").mkdir()
+    (tmp_path / "out").mkdir(exist_ok=True)
     return parse_args("lightning_tiny", ["--ckpt-dir", str(tmp_path / "ck"),
                                          "--out-dir", str(tmp_path / "out")])  # fmt: skip
 
 
-def _fit_one_process(tmp_path: Path, **trainer_options: Any) -> None:
+def _fit_one_process(
+    tmp_path: Path, ckpt_path: Path | None = None, max_steps: int = 2, **trainer_options: Any
+) -> pl.Trainer:
     args = _args(tmp_path)
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False,
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=max_steps, logger=False,
                          enable_progress_bar=False, enable_checkpointing=False,
                          use_distributed_sampler=False, **trainer_options)  # fmt: skip
-    trainer.fit(TinyModule(args))
+    trainer.fit(TinyModule(args), ckpt_path=ckpt_path)
+    return trainer
 
 
 def test_lightnings_own_requeue_on_the_save_signal_is_refused(tmp_path: Path) -> None:
@@ -158,3 +161,10 @@ def test_a_loader_that_cannot_resume_exactly_is_refused(tmp_path: Path) -> None:
                          callbacks=[SlurmftCallback()])  # fmt: skip
     with pytest.raises(LightningConflict, match=r"no slurmft\.train\.lightning\.ResumableLoader"):
         trainer.fit(PlainLoaderModule(args))
+
+
+def test_a_checkpoint_written_without_the_callback_is_refused(tmp_path: Path) -> None:
+    """Its sample position and RNG are unknown: resuming from it would not be exact."""
+    _fit_one_process(tmp_path).save_checkpoint(tmp_path / "plain.ckpt")
+    with pytest.raises(LightningConflict, match="written without SlurmftCallback"):
+        _fit_one_process(tmp_path, tmp_path / "plain.ckpt", 4, callbacks=[SlurmftCallback()])
