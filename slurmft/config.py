@@ -617,6 +617,14 @@ class AgentSection(Section):
         "Apply the fix for torch's wait-list restart loop (needed for hot spares). Turn off only "
         "to reproduce the defect.",
     )
+    warm_workers: bool = setting_field(
+        True,
+        "Start workers warm: a zygote on each node imports torch and the training script's "
+        "top-level imports once, and forks every new worker from there, so a restart skips the "
+        "imports (2-3 s here). A worker starts cold when the zygote is not there, refuses (an "
+        "import initialised CUDA, a source file changed) or does not answer in 120 s. See "
+        "docs/agent.md.",
+    )
     report_interval_s: float = setting_field(
         1.0,
         "How often an agent sends a batch of rank reports (events go at once). The agents of a "

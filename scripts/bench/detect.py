@@ -45,12 +45,13 @@ from typing import TypeVar
 REPO = Path(__file__).resolve().parents[2]
 CLUSTER_SCRIPT = REPO / "scripts" / "slurm-cluster"
 # The Slurm end-to-end tests' helpers: the daemon process, `slurmft submit`, the cluster's undo.
-sys.path.insert(0, str(REPO / "tests" / "integration" / "slurm"))
+sys.path[:0] = [str(REPO / "tests" / "integration" / "slurm"), str(REPO / "tests")]
 
 from daemon_process import DaemonProcess, running_daemon  # noqa: E402
 from e2e_run import SubmittedRun, submit  # noqa: E402
 from local_cluster import Cluster  # noqa: E402
 from recovery import StepClock  # noqa: E402
+from support.processes import workers  # noqa: E402
 
 from slurmft.db.models import Event, EventKind  # noqa: E402
 from slurmft.slurm.cli_backend import CliSlurmClient  # noqa: E402
@@ -176,16 +177,9 @@ def submitted(
 
 def worker_pid(run: SubmittedRun, rank: int) -> int:
     """The training process of ``rank`` (torchrun sets RANK in the workers' environment only)."""
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            cmdline = (proc / "cmdline").read_bytes()
-            environ = (proc / "environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if str(run.out).encode() in cmdline and f"RANK={rank}".encode() in environ:
-            return int(proc.name)
+    for pid, _argv, environ in workers(str(run.out).encode()):
+        if f"RANK={rank}".encode() in environ:
+            return pid
     raise LookupError(f"no worker process of rank {rank} for {run.out}")
 
 

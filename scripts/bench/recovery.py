@@ -25,7 +25,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 # The localhost agent cluster is the one the integration tests use.
-sys.path.insert(0, str(REPO / "tests" / "integration" / "agent"))
+sys.path[:0] = [str(REPO / "tests" / "integration" / "agent"), str(REPO / "tests")]
 
 from agent_cluster import AgentCluster  # noqa: E402
 

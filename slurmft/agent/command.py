@@ -17,6 +17,9 @@ Every value here is a measured choice (docs/measured/torchrun.md):
   32 nodes to torch's 1 s at 64 nodes and stays there.
 - `--max-restarts` high: every peer-node loss costs each survivor one torchrun restart, so
   torchrun's counter must not be the cap (slurmft counts restarts without progress).
+- workers started warm (`-m slurmft.agent.warm_start` before the script, `--warm-workers` for
+  the launcher): a zygote started by the launcher imports torch and the script's imports once
+  and forks each new worker, so a restart skips 2-3 s of imports (slurmft.agent.zygote).
 - `--tee=3` into a node-local folder, with a line prefix naming the global rank: the job's
   output labels each worker line with its rank (slurmft.core.output), which `slurmft logs
   --rank` selects by. Untee'd, workers write to the job's output directly, unlabelled.
@@ -32,6 +35,8 @@ from slurmft.config import AgentSection
 from slurmft.core.output import RANK_LABEL_TEMPLATE
 
 LAUNCHER_MODULE = "slurmft.agent.launcher"
+# What torchrun runs in place of the script when workers start warm (slurmft.agent.zygote).
+WARM_START_MODULE = "slurmft.agent.warm_start"
 
 # torch 2.13 defect: with the agent's store shared with the workers, a joining spare never got
 # the new MASTER_ADDR and survivors restarted in a loop on different MASTER_PORTs.
@@ -108,6 +113,8 @@ class TorchrunSpec:
     rdzv_poll_s: float | None = None  # None: default_rdzv_poll_s(nodes)
     # Node-local folder torchrun tees worker output through (rank-labelled lines); "": none.
     worker_log_dir: str = ""
+    # Workers forked from a zygote that imported torch and the script's imports once.
+    warm_workers: bool = AgentSection.warm_workers
 
     def __post_init__(self) -> None:
         if self.nodes < 1 or self.nproc_per_node < 1:
@@ -150,6 +157,8 @@ def torchrun_args(spec: TorchrunSpec) -> list[str]:
         args.append(f"--local-addr={spec.local_addr}")
     if spec.worker_log_dir:
         args += ["--tee=3", f"--log-dir={spec.worker_log_dir}"]
+    if spec.warm_workers:
+        args += ["-m", WARM_START_MODULE]
     return [*args, *spec.script]
 
 
@@ -160,6 +169,8 @@ def launcher_argv(spec: TorchrunSpec, python: str) -> list[str]:
     if spec.spare_candidate:
         flags.append("--spare-candidate")
     flags.append(f"--rdzv-poll-s={spec.poll_s:g}")
+    if spec.warm_workers:
+        flags.append("--warm-workers")
     return [python, "-m", LAUNCHER_MODULE, *flags, "--", *torchrun_args(spec)]
 
 

@@ -1,7 +1,7 @@
 """torchrun's main, run after the wait-list fix is applied (or refused) in the same process.
 
     python -m slurmft.agent.launcher [--no-wait-list-fix] [--spare-candidate] [--rdzv-poll-s S] \
-        -- <torchrun args>
+        [--warm-workers] -- <torchrun args>
 
 Only torchrun's process imports this module's torch parts (inside `main`), so the daemon and
 the agent stay torch-free. When torch's internals differ from what the fix knows, an agent that
@@ -10,22 +10,29 @@ AgentExit.SPARE_REFUSED, and the first N run as a job without spares: with exact
 wait-list defect cannot trigger. `--rdzv-poll-s` shortens torch's one-second rendezvous state
 poll under the same gate (rdzv_fix); refused, torch keeps its own. Every round torchrun joins is
 told to the agent and to the next workers (rounds), so each restart is counted once.
+`--warm-workers` starts the node's zygote (slurmft.agent.zygote), which forks the workers that
+torchrun's `-m slurmft.agent.warm_start` clients ask for.
 """
 
 from __future__ import annotations
 
 import argparse
-import ctypes
+import atexit
 import functools
 import io
 import os
 import signal
+import subprocess
 import sys
+import tempfile
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
-from slurmft.agent import rdzv_fix, rounds
+from slurmft.agent import procs, rdzv_fix, rounds
+from slurmft.agent.command import AGENT_SOCKET_ENV, WARM_START_MODULE
 from slurmft.agent.exits import AgentExit
+from slurmft.agent.warm_start import ZYGOTE_SOCKET_ENV
 from slurmft.core import torch_support
 
 PREFIX = "slurmft launcher:"
@@ -42,6 +49,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--wait-list-fix", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--spare-candidate", action="store_true")
     parser.add_argument("--rdzv-poll-s", type=float, default=rdzv_fix.TORCH_POLL_S)
+    parser.add_argument("--warm-workers", action="store_true")
     return parser.parse_args(argv[:split]), argv[split + 1 :]
 
 
@@ -79,19 +87,10 @@ def prepare_rendezvous(
     return None
 
 
-_PR_SET_PDEATHSIG = 1
-
-
 def die_with_parent() -> None:
     """SIGTERM this process (torchrun) when its agent dies, so torchrun stops its workers: an
     agent killed alone (srun aborting the step, an OOM kill) would otherwise leave them training."""
-    parent = os.getppid()
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    except (OSError, AttributeError):
-        return  # not Linux: no such guard
-    if os.getppid() != parent:  # the agent died before the guard was set
-        os.kill(os.getpid(), signal.SIGTERM)
+    procs.die_with_parent(signal.SIGTERM)
 
 
 def survive_rank_signals() -> None:
@@ -125,10 +124,34 @@ def patch_graceful_exit() -> None:
     )
 
 
+def warm_target(torchrun_args: list[str]) -> list[str]:
+    """The user's script and arguments, after torchrun's `-m slurmft.agent.warm_start`."""
+    for index in range(len(torchrun_args) - 1):
+        if torchrun_args[index : index + 2] == ["-m", WARM_START_MODULE]:
+            return torchrun_args[index + 2 :]
+    raise SystemExit(f"{PREFIX} --warm-workers, but torchrun does not run {WARM_START_MODULE}")
+
+
+def start_zygote(target: list[str]) -> None:
+    """The node's zygote (slurmft.agent.zygote), started before this process imports torch so the
+    two imports overlap; its socket beside the agent's, and in the workers' environment."""
+    agent_socket = os.environ.get(AGENT_SOCKET_ENV, "")
+    folder = Path(agent_socket).parent if agent_socket else Path(tempfile.mkdtemp("-slurmft"))
+    path = str(folder / "zygote.sock")
+    zygote = subprocess.Popen(
+        [sys.executable, "-u", "-m", "slurmft.agent.zygote", "--socket", path, "--", *target],
+        stdin=subprocess.DEVNULL,
+    )
+    os.environ[ZYGOTE_SOCKET_ENV] = path
+    atexit.register(zygote.kill)
+
+
 def main(argv: list[str] | None = None) -> int:
     die_with_parent()
     survive_rank_signals()
     options, torchrun_args = parse_args(sys.argv[1:] if argv is None else argv)
+    if options.warm_workers:
+        start_zygote(warm_target(torchrun_args))
     refused = prepare_rendezvous(
         options.wait_list_fix, options.spare_candidate, options.rdzv_poll_s
     )

@@ -58,6 +58,22 @@ def signal_main_threads(pids: list[int], signum: int) -> None:
             raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
 
 
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(signum: int = signal.SIGTERM, expected_parent: int | None = None) -> None:
+    """Have the kernel send `signum` to this process when its parent exits (prctl
+    PR_SET_PDEATHSIG), or send it now if the parent (`expected_parent`, else the current one)
+    is gone already. Not Linux: no such guard."""
+    parent = os.getppid() if expected_parent is None else expected_parent
+    try:
+        _libc.prctl(_PR_SET_PDEATHSIG, signum)
+    except AttributeError:
+        return
+    if os.getppid() != parent:  # the parent died before the guard was set
+        os.kill(os.getpid(), signum)
+
+
 def kill_tree(pid: int, signum: int = signal.SIGKILL) -> list[int]:
     """Signal `pid` and all its descendants (collected first, so none is re-parented away)."""
     pids = [pid, *descendants(pid)]

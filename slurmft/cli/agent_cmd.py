@@ -139,6 +139,7 @@ def run(  # noqa: PLR0917 (typer: one parameter per option)
         local_addr=local_addr,
         wait_list_fix=agent_section.rdzv_wait_list_fix,
         spare_candidate=index >= nodes,
+        warm_workers=agent_section.warm_workers,
     )
     token = token_file.read_text().strip() if token_file else ""
     settings = AgentSettings(

@@ -56,6 +56,15 @@ PATCHES: tuple[TorchPatch, ...] = (
         without_it="restarts are grouped by the time of their reports (may merge two)",
     ),
     TorchPatch(
+        name="warm workers",
+        module="slurmft.agent.zygote",
+        purpose="new workers forked from a zygote that imported torch and the script's imports",
+        known=("2.13",),
+        checked_by="the zygote refuses to fork once an import initialised CUDA or a loaded "
+        "source changed; a worker without a fork starts cold",
+        without_it="workers start cold: each imports torch and the script's imports (2-3 s)",
+    ),
+    TorchPatch(
         name="graceful spare exit",
         module="slurmft.agent.launcher",
         purpose="a spare still waiting when training ends exits 0, not 1",

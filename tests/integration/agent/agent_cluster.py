@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from support.processes import argv_of, is_worker
 from support.waiting import wait_for
 
 from slurmft.agent.procs import descendants, kill_tree
@@ -52,11 +53,11 @@ class Agent:
         found = []
         for pid in descendants(self.process.pid):
             try:
-                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-            except OSError:
-                continue
-            if TINY.encode() in cmdline and b"slurmft.agent.launcher" not in cmdline:
-                found.append(pid)
+                argv = argv_of(pid)
+                if TINY in argv and is_worker(pid, argv):
+                    found.append(pid)
+            except (OSError, ValueError, IndexError):
+                continue  # exited while we looked
         return found
 
     def log(self) -> str:

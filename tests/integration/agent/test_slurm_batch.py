@@ -30,6 +30,7 @@ from typing import Any
 
 import pytest
 from slurm_clusters import CLUSTER_SCRIPT, own_cluster
+from support.processes import argv_of, is_worker
 from support.waiting import wait_for
 from unix_users import TestUsers, UnixUser
 
@@ -176,11 +177,10 @@ def workers_on(cluster: Cluster, step: str, node: str) -> int:
     count = 0
     for pid in step_pids(cluster, step, node):
         try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if b"slurmft.train.examples.tiny" in cmdline[1:4]:  # python [-u] -m <the script>
-            count += 1
+            argv = argv_of(pid)
+            count += "slurmft.train.examples.tiny" in argv and is_worker(pid, argv)
+        except (OSError, ValueError, IndexError):
+            continue  # exited while we looked
     return count
 
 

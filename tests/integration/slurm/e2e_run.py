@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from daemon_process import DaemonProcess, slurmft
 from local_cluster import Cluster
 from sqlalchemy import func, select
+from support.processes import workers
 from support.waiting import wait_for_value
 
 from slurmft.db import Database
@@ -204,18 +205,11 @@ def second_venv(where: Path) -> Path:
 def worker_pid(run: SubmittedRun, rank: int) -> int:
     """The training process of `rank` in the run (all nodes run on this host; job ids repeat
     across clusters, checkpoint directories do not)."""
-    wanted = {b"RANK=" + str(rank).encode()}
-    ckpt = str(run.ckpt_dir).encode()
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes()
-            environ = set((entry / "environ").read_bytes().split(b"\0"))
-        except OSError:
-            continue  # exited while we looked
-        if b"slurmft.train.examples.tiny" in cmdline and ckpt in cmdline and wanted <= environ:
-            found.append(int(entry.name))
+    wanted = b"RANK=" + str(rank).encode()
+    found = [
+        pid
+        for pid, argv, environ in workers(str(run.ckpt_dir).encode())
+        if "slurmft.train.examples.tiny" in argv and wanted in environ
+    ]
     assert len(found) == 1, f"rank {rank} of run {run.run_id}: processes {found}"
     return found[0]

@@ -14,6 +14,7 @@ from daemon_process import DaemonProcess
 from e2e_run import EXAMPLE, SubmittedRun, submit
 from local_cluster import Cluster
 from sqlalchemy import select
+from support.processes import workers
 from support.waiting import wait_for_value
 
 from slurmft.db.models import ActionKind, AllocationNode, Attempt, Event, EventKind, FaultClass
@@ -41,16 +42,9 @@ def _worker_nodes(run: SubmittedRun) -> set[str]:
     run on this host): what the store cannot tell while the daemon is down. A worker runs the
     example's module itself; the spare's torchrun, waiting to join, names it only as the script
     it would start (killing that node would cost the run nothing)."""
-    ckpt = str(run.ckpt_dir)
     found = set()
-    for entry in Path("/proc").iterdir():
-        try:
-            argv = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
-            environ = (entry / "environ").read_bytes().split(b"\0")
-        except OSError:
-            continue  # not a process, or exited while we looked
-        module = argv[argv.index("-m") + 1] if "-m" in argv[:-1] else ""
-        if module == "slurmft.train.examples.tiny" and any(ckpt in arg for arg in argv):
+    for _pid, argv, environ in workers(str(run.ckpt_dir).encode()):
+        if "slurmft.train.examples.tiny" in argv:
             found |= {v[len(b"SLURMD_NODENAME="):].decode() for v in environ
                       if v.startswith(b"SLURMD_NODENAME=")}  # fmt: skip
     return found

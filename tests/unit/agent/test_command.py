@@ -33,6 +33,7 @@ def test_golden_launcher_argv() -> None:
         "slurmft.agent.launcher",
         "--wait-list-fix",
         "--rdzv-poll-s=0.1",
+        "--warm-workers",
         "--",
         "--nnodes=3:3",
         "--nproc-per-node=8",
@@ -41,10 +42,18 @@ def test_golden_launcher_argv() -> None:
         "--rdzv-id=r1234",
         "--rdzv-conf=is_host=false,join_timeout=600,keep_alive_interval=1,keep_alive_max_attempt=4",
         "--max-restarts=1000000",
+        "-m",
+        "slurmft.agent.warm_start",
         "train.py",
         "--lr",
         "0.1",
     ]
+
+
+def test_cold_workers_run_the_script_itself() -> None:
+    argv = launcher_argv(spec(warm_workers=False, script=("-m", "pkg.train", "-x")), "py")
+    assert "--warm-workers" not in argv
+    assert argv[-4:] == ["--max-restarts=1000000", "-m", "pkg.train", "-x"]
 
 
 @pytest.mark.parametrize(
@@ -58,7 +67,10 @@ def test_golden_launcher_argv() -> None:
         ({"max_restarts": 7}, "--max-restarts=7"),
         ({"local_addr": "10.0.0.9"}, "--local-addr=10.0.0.9"),
         ({"script": ("-m", "pkg.train")}, "-m pkg.train"),
-        ({"worker_log_dir": "/tmp/a/worker-logs"}, "--tee=3 --log-dir=/tmp/a/worker-logs train.py"),
+        (
+            {"worker_log_dir": "/tmp/a/worker-logs"},
+            "--tee=3 --log-dir=/tmp/a/worker-logs -m slurmft.agent.warm_start train.py",
+        ),
     ],
 )
 def test_settings_reach_torchrun(overrides: dict[str, object], expected: str) -> None:
@@ -67,7 +79,13 @@ def test_settings_reach_torchrun(overrides: dict[str, object], expected: str) ->
 
 def test_spare_candidate_and_disabled_fix_reach_the_launcher() -> None:
     argv = launcher_argv(spec(spare_candidate=True, wait_list_fix=False), "py")
-    assert argv[3:7] == ["--no-wait-list-fix", "--spare-candidate", "--rdzv-poll-s=0.1", "--"]
+    assert argv[3:8] == [
+        "--no-wait-list-fix",
+        "--spare-candidate",
+        "--rdzv-poll-s=0.1",
+        "--warm-workers",
+        "--",
+    ]
 
 
 @pytest.mark.parametrize(
