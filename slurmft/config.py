@@ -625,6 +625,20 @@ class AgentSection(Section):
         "import initialised CUDA, a source file changed) or does not answer in 120 s. See "
         "docs/agent.md.",
     )
+    peer_dead_after_s: float = setting_field(
+        1.5,
+        "slurmft's dead-peer detector: a node whose launcher has written no rendezvous "
+        "heartbeat for this long (by the watching node's clock and its own polls) is evicted "
+        "from the rendezvous, and fenced if it runs again. 0: torch's keep-alive alone "
+        "(keep_alive_interval_s x keep_alive_max_attempts). See docs/agent.md.",
+        minimum=0.0,
+    )
+    peer_heartbeat_s: float = setting_field(
+        0.1,
+        "How often each launcher writes its rendezvous heartbeat and reads the two peers it "
+        "watches (must be below peer_dead_after_s).",
+        minimum=0.01,
+    )
     report_interval_s: float = setting_field(
         1.0,
         "How often an agent sends a batch of rank reports (events go at once). The agents of a "

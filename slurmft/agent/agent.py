@@ -311,6 +311,13 @@ class NodeAgent:
                 "spare refused: the wait-list fix does not know this torch",
             )
             return AgentExit.SPARE_REFUSED
+        if returncode == AgentExit.FENCED:
+            self.event(
+                EventKind.FENCED,
+                "declared dead by its peers, then ran again: its workers were stopped before "
+                "they could train or write, and this agent leaves",
+            )
+            return AgentExit.FENCED
         log.error("torchrun exited with %d", returncode)
         return AgentExit.FAILED
 

@@ -21,6 +21,7 @@ from slurmft.train.report import MAX_MESSAGE_BYTES, decode
 
 log = logging.getLogger(__name__)
 
+PEER_DEAD_MESSAGE = "peer_dead"
 # A burst of heartbeats from many local ranks must not overflow the kernel queue.
 RECEIVE_BUFFER_BYTES = 4 * 1024 * 1024
 
@@ -107,6 +108,13 @@ def to_record(message: dict[str, Any]) -> Record | None:
             raise ValueError("a round message without its round")
         previous = _round_number(message.get("previous"))
         return RendezvousRound(joined, previous, float(message["time"]))
+    if kind == PEER_DEAD_MESSAGE:  # from this node's launcher (slurmft.agent.peer_detector)
+        return AgentEvent(
+            kind=EventKind.PEER_DEAD,
+            occurred_at=float(message["time"]),
+            message=str(message["reason"])[:500],
+            details={"peer": str(message["peer"]), "silent_s": float(message["silent_s"])},
+        )
     if kind == "event" and message.get("event") in RANK_EVENT_KINDS:
         if message["event"] == "checkpoint_saved" and int(message["rank"]) != 0:
             return None  # every rank saves its shard; one event per checkpoint is the progress

@@ -5,6 +5,9 @@ Every value here is a measured choice (docs/measured/torchrun.md):
   dies with its node and takes every agent with it.
 - `--nnodes=N:N`: exactly N nodes train; agents beyond N wait in the rendezvous redundancy list
   as hot spares (no worker, no join timeout) and take a free rank when a node leaves.
+- slurmft's dead-peer detector (peer_detector, peer_watch): each launcher writes a counter to
+  the store every 0.1 s and watches two peers; one silent for 1.5 s (by the watcher's clock and
+  polls) is evicted from the rendezvous, seconds before torch's keep-alive would expire it.
 - keep-alive 1 s × 4 attempts: a dead node is noticed in about 4 s. Heartbeats land up to two
   intervals apart, so 1 × 2 and 1 × 1 remove live nodes; 1 × 3 was stable on loopback; expiry
   compares wall clocks across nodes, so a real cluster starts at 1 × 4.
@@ -29,10 +32,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import PurePath
 
 from slurmft.agent.rdzv_fix import TORCH_POLL_S
 from slurmft.config import AgentSection
 from slurmft.core.output import RANK_LABEL_TEMPLATE
+from slurmft.train.report import FENCE_FILE_ENV
 
 LAUNCHER_MODULE = "slurmft.agent.launcher"
 # What torchrun runs in place of the script when workers start warm (slurmft.agent.zygote).
@@ -73,6 +78,8 @@ STACKS_DIR_ENV = "SLURMFT_STACKS_DIR"
 SAVE_REQUEST_FILE_ENV = "SLURMFT_SAVE_REQUEST_FILE"
 # The run's checkpoint directory, for any script (the batch step exports it to the job's steps).
 CKPT_DIR_ENV = "SLURMFT_CKPT_DIR"
+# Written by the launcher when its node was declared dead by its peers (peer_detector).
+FENCE_FILE_NAME = "fenced"
 # torchrun's prefix of each tee'd worker line (read by torchrun itself, not a flag).
 LINE_PREFIX_ENV = "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"
 
@@ -115,6 +122,9 @@ class TorchrunSpec:
     worker_log_dir: str = ""
     # Workers forked from a zygote that imported torch and the script's imports once.
     warm_workers: bool = AgentSection.warm_workers
+    # slurmft's dead-peer detector (peer_detector); 0: torch's keep-alive alone.
+    peer_dead_after_s: float = AgentSection.peer_dead_after_s
+    peer_heartbeat_s: float = AgentSection.peer_heartbeat_s
 
     def __post_init__(self) -> None:
         if self.nodes < 1 or self.nproc_per_node < 1:
@@ -123,6 +133,8 @@ class TorchrunSpec:
             raise ValueError("no training script given")
         if self.keep_alive_interval_s < 1 or self.keep_alive_max_attempts < 1:
             raise ValueError("keep-alive interval and attempts must be at least 1")
+        if 0 < self.peer_dead_after_s <= self.peer_heartbeat_s:
+            raise ValueError("agent.peer_heartbeat_s must be below agent.peer_dead_after_s")
         if self.rdzv_poll_s is not None and not 0 < self.rdzv_poll_s <= TORCH_POLL_S:
             raise ValueError(f"rendezvous poll must be in (0, {TORCH_POLL_S}] s")
 
@@ -171,6 +183,11 @@ def launcher_argv(spec: TorchrunSpec, python: str) -> list[str]:
     flags.append(f"--rdzv-poll-s={spec.poll_s:g}")
     if spec.warm_workers:
         flags.append("--warm-workers")
+    if spec.peer_dead_after_s > 0:
+        flags += [
+            f"--peer-dead-after-s={spec.peer_dead_after_s:g}",
+            f"--peer-heartbeat-s={spec.peer_heartbeat_s:g}",
+        ]
     return [python, "-m", LAUNCHER_MODULE, *flags, "--", *torchrun_args(spec)]
 
 
@@ -187,4 +204,5 @@ def torchrun_env(
     env[AGENT_SOCKET_ENV] = agent_socket
     env[STACKS_DIR_ENV] = stacks_dir
     env[SAVE_REQUEST_FILE_ENV] = save_request_file
+    env[FENCE_FILE_ENV] = str(PurePath(agent_socket).with_name(FENCE_FILE_NAME))
     return env

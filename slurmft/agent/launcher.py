@@ -29,11 +29,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from slurmft.agent import procs, rdzv_fix, rounds
+from slurmft.agent import peer_detector, procs, rdzv_fix, rounds
 from slurmft.agent.command import AGENT_SOCKET_ENV, WARM_START_MODULE
 from slurmft.agent.exits import AgentExit
+from slurmft.agent.peer_watch import WatchSettings
 from slurmft.agent.warm_start import ZYGOTE_SOCKET_ENV
 from slurmft.core import torch_support
+from slurmft.train.report import ReportChannel
 
 PREFIX = "slurmft launcher:"
 
@@ -50,6 +52,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--spare-candidate", action="store_true")
     parser.add_argument("--rdzv-poll-s", type=float, default=rdzv_fix.TORCH_POLL_S)
     parser.add_argument("--warm-workers", action="store_true")
+    parser.add_argument("--peer-dead-after-s", type=float, default=0.0)
+    parser.add_argument("--peer-heartbeat-s", type=float, default=WatchSettings.heartbeat_s)
     return parser.parse_args(argv[:split]), argv[split + 1 :]
 
 
@@ -146,6 +150,28 @@ def start_zygote(target: list[str]) -> None:
     atexit.register(zygote.kill)
 
 
+def watch_peers(options: argparse.Namespace, channel: ReportChannel) -> Callable[[], None]:
+    """Start slurmft's dead-peer detector where torch's internals are the ones it knows;
+    returns what to call when this launcher ends (no-op when it was not started)."""
+    if options.peer_dead_after_s <= 0:
+        return lambda: None
+    module = rdzv_fix.load_module()
+    problems = peer_detector.check_internals(module)
+    if problems:
+        say(
+            "the dead-peer detector does not know this torch's rendezvous internals ("
+            + "; ".join(problems)
+            + "): dead nodes are found by torch's keep-alive alone"
+        )
+        return lambda: None
+    settings = WatchSettings(options.peer_heartbeat_s, options.peer_dead_after_s)
+    say(
+        f"dead-peer detector: heartbeat {settings.heartbeat_s:g} s, a peer silent for "
+        f"{settings.dead_after_s:g} s is evicted"
+    )
+    return peer_detector.apply(module, settings, channel.send, say)
+
+
 def main(argv: list[str] | None = None) -> int:
     die_with_parent()
     survive_rank_signals()
@@ -157,8 +183,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     if refused is not None:
         return int(refused)
-    if not rounds.observe(rdzv_fix.load_module(), warn=say):
+    channel = ReportChannel()
+    if not rounds.observe(rdzv_fix.load_module(), channel, warn=say):
         say("torch's rendezvous has no next_rendezvous to observe: restarts are grouped by time")
+    leave_peers = watch_peers(options, channel)
     patch_graceful_exit()
     # torchrun copies the tee'd worker lines to its own stdout and stderr without flushing; to
     # the job's output file they are block-buffered: seen minutes late, and lost with the node.
@@ -167,7 +195,10 @@ def main(argv: list[str] | None = None) -> int:
             stream.reconfigure(line_buffering=True)
     from torch.distributed.run import main as torchrun_main  # noqa: TID251
 
-    torchrun_main(torchrun_args)
+    try:
+        torchrun_main(torchrun_args)
+    finally:
+        leave_peers()
     return 0
 
 

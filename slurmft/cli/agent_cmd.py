@@ -140,6 +140,8 @@ def run(  # noqa: PLR0917 (typer: one parameter per option)
         wait_list_fix=agent_section.rdzv_wait_list_fix,
         spare_candidate=index >= nodes,
         warm_workers=agent_section.warm_workers,
+        peer_dead_after_s=agent_section.peer_dead_after_s,
+        peer_heartbeat_s=agent_section.peer_heartbeat_s,
     )
     token = token_file.read_text().strip() if token_file else ""
     settings = AgentSettings(

@@ -18,6 +18,7 @@ class AgentExit(IntEnum):
     SPARE_REFUSED = 3  # spares need the wait-list fix, which does not know this torch
     LEFT = 4  # told to leave (cordoned node) or stopped by a signal: a spare takes over
     PREFLIGHT_FAILED = 5  # the node is not fit to train (GPU fault)
+    FENCED = 6  # declared dead by its peers (frozen, then thawed): it must not train again
 
 
 class BatchExit(IntEnum):
@@ -40,13 +41,14 @@ class StepOutcome(StrEnum):
     LEFT = "LEFT"
     LEFT_CORDONED = "LEFT_CORDONED"
     PREFLIGHT_FAILED = "PREFLIGHT_FAILED"
+    FENCED = "FENCED"
 
     @property
     def cordons(self) -> bool:
         """The node stays out of this job's later agent steps (cordoned, or unfit to train)."""
-        return self in {StepOutcome.LEFT_CORDONED, StepOutcome.PREFLIGHT_FAILED}
+        return self in {StepOutcome.LEFT_CORDONED, StepOutcome.PREFLIGHT_FAILED, StepOutcome.FENCED}
 
     @property
     def departed(self) -> bool:
         """The agent left while the others went on: its node was taken out of the run."""
-        return self in {StepOutcome.LEFT, StepOutcome.LEFT_CORDONED}
+        return self in {StepOutcome.LEFT, StepOutcome.LEFT_CORDONED, StepOutcome.FENCED}

@@ -51,6 +51,13 @@ class EventKind(enum.StrEnum):
     PREEMPTED = "preempted"
     TIME_LIMIT = "time_limit"
     COLLECTIVE_ERROR = "collective_error"  # a rank saw a peer fail: evidence, not a failure
+    # A node's launcher found a watched peer's rendezvous heartbeat silent and evicted it from
+    # the rendezvous (slurmft.agent.peer_detector): evidence about that peer, like
+    # collective_error; the daemon's own evidence (Slurm, the agents' reports) decides a loss.
+    PEER_DEAD = "peer_dead"
+    # This node was declared dead by its peers and ran again (a frozen node that thawed): its
+    # launcher stopped everything below it before it could train or write, and its agent left.
+    FENCED = "fenced"
     RESTART = "restart"  # workers restarted (in place, spare joined, new step, requeue, new job)
     CHECKPOINT = "checkpoint"  # a verified checkpoint: progress
     # A rank's loss (or gradients) went non-finite (slurmft.train.numerical): re-run once in

@@ -56,6 +56,17 @@ PATCHES: tuple[TorchPatch, ...] = (
         without_it="restarts are grouped by the time of their reports (may merge two)",
     ),
     TorchPatch(
+        name="dead-peer eviction",
+        module="slurmft.agent.peer_detector",
+        purpose="a node declared dead by slurmft's detector (1.5 s) leaves the rendezvous as an "
+        "expired one does, without waiting for torch's keep-alive expiry (4 s)",
+        known=("2.13",),
+        checked_by="the names it reads and the source fingerprint of the state holder's "
+        "_sanitize",
+        without_it="dead nodes leave when torch's keep-alive expires (seconds later); no "
+        "fencing of a node that thaws",
+    ),
+    TorchPatch(
         name="warm workers",
         module="slurmft.agent.zygote",
         purpose="new workers forked from a zygote that imported torch and the script's imports",

@@ -45,7 +45,7 @@ from slurmft.train.manifest import (
     verify_files,
     write_json_durably,
 )
-from slurmft.train.report import ReportChannel
+from slurmft.train.report import ReportChannel, node_fenced
 from slurmft.train.rng import capture_rng_state
 
 
@@ -219,6 +219,8 @@ class CheckpointManager:
             fsync_path(staging / "rng")
             fsync_path(staging)
             final = self.root / checkpoint_name(step)
+            if node_fenced():  # frozen past the others' patience: a new round owns the folder now
+                raise CheckpointSaveFailed("this node was declared dead by its peers")
             shutil.rmtree(final, ignore_errors=True)  # a re-save of the same step after a restart
             staging.rename(final)
             fsync_path(self.root)

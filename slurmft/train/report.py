@@ -23,6 +23,14 @@ SCHEMA_VERSION = 1
 SOCKET_ENV = "SLURMFT_AGENT_SOCKET"
 # The rendezvous round the workers were started in, set by slurmft's launcher (agent.rounds).
 RDZV_ROUND_ENV = "SLURMFT_RDZV_ROUND"
+# A file the launcher writes when its node was declared dead by its peers (a frozen node that
+# ran again, slurmft.agent.peer_detector): a worker that sees it commits no checkpoint.
+FENCE_FILE_ENV = "SLURMFT_FENCE_FILE"
+
+
+def node_fenced() -> bool:
+    path = os.environ.get(FENCE_FILE_ENV, "")
+    return bool(path) and os.path.exists(path)
 # A unix datagram larger than the socket's send buffer fails with EMSGSIZE; staying well under the
 # Linux default (212992 bytes) keeps every message deliverable. Larger messages are dropped.
 MAX_MESSAGE_BYTES = 64 * 1024

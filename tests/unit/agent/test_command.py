@@ -34,6 +34,8 @@ def test_golden_launcher_argv() -> None:
         "--wait-list-fix",
         "--rdzv-poll-s=0.1",
         "--warm-workers",
+        "--peer-dead-after-s=1.5",
+        "--peer-heartbeat-s=0.1",
         "--",
         "--nnodes=3:3",
         "--nproc-per-node=8",
@@ -78,7 +80,9 @@ def test_settings_reach_torchrun(overrides: dict[str, object], expected: str) ->
 
 
 def test_spare_candidate_and_disabled_fix_reach_the_launcher() -> None:
-    argv = launcher_argv(spec(spare_candidate=True, wait_list_fix=False), "py")
+    argv = launcher_argv(
+        spec(spare_candidate=True, wait_list_fix=False, peer_dead_after_s=0), "py"
+    )
     assert argv[3:8] == [
         "--no-wait-list-fix",
         "--spare-candidate",
@@ -86,6 +90,11 @@ def test_spare_candidate_and_disabled_fix_reach_the_launcher() -> None:
         "--warm-workers",
         "--",
     ]
+
+
+def test_a_heartbeat_no_faster_than_the_dead_peer_limit_is_refused() -> None:
+    with pytest.raises(ValueError, match="peer_heartbeat_s must be below"):
+        spec(peer_dead_after_s=0.5, peer_heartbeat_s=0.5)
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,275 @@
+"""Fast dead-peer detection, eviction and fencing, in torchrun's process (launcher only).
+
+Where the time of a recovery went before this: about 3.5 s of it waiting for the dead node's
+torch keep-alive to expire (docs/agent.md). Here each launcher runs one thread that, every
+`heartbeat_s`:
+1. writes its own counter to `slurmft/peers/<run>/alive/<node>` in the rendezvous store;
+2. reads the run's evicted list (`slurmft/peers/<run>/evicted`): finding itself there, it is
+   fenced (below); the others on it are evicted from its view of the rendezvous;
+3. reads the counters of the peers it watches (slurmft.agent.peer_watch: the next two
+   participants in a ring) and declares those the policy finds dead: it adds them to the
+   evicted list (compare-and-set) and tells its agent, which records the declaration.
+
+Eviction: torch removes a node from the rendezvous when its last keep-alive is older than the
+expiry, in `_BackendRendezvousStateHolder._sanitize`, which every sync runs on the state it
+read; every node does it on its own copy, and the first one to write the state makes it stick.
+The patch backdates the keep-alive of every evicted node before that check, so an evicted node
+leaves the rendezvous exactly as an expired one does, seconds sooner; nothing else in torch's
+protocol changes.
+
+Fencing: a node on the evicted list that runs again (a frozen node that thaws) finds itself
+there at its first poll. Its launcher then marks the node fenced (a file its workers check
+before a checkpoint is committed), SIGKILLs everything below it (workers, zygote) and exits with
+AgentExit.FENCED: it joins no collective of a round that moved on and writes nothing. Its agent
+exits with the same code.
+
+The gate (as rdzv_fix's): the names read and the fingerprint of `_sanitize`; on any difference
+the launcher says so and torch's keep-alive alone detects dead nodes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from slurmft.agent import procs
+from slurmft.agent.channel import PEER_DEAD_MESSAGE
+from slurmft.agent.peer_watch import (
+    LEFT,
+    PeerWatch,
+    Verdict,
+    WatchSettings,
+    decode_dead,
+    encode_dead,
+    watched,
+)
+from slurmft.agent.rdzv_fix import fingerprint
+from slurmft.core.exits import AgentExit
+from slurmft.train.report import FENCE_FILE_ENV
+
+KNOWN_FINGERPRINTS = {"_BackendRendezvousStateHolder._sanitize": "071461ebc46bd101"}
+REQUIRED_NAMES = (
+    "DynamicRendezvousHandler.next_rendezvous",
+    "_BackendRendezvousStateHolder._sanitize",
+)
+_APPLIED_MARK = "_slurmft_peer_detector"
+LONG_AGO = datetime(1970, 1, 1, tzinfo=UTC)
+
+# Nodes (repr of torch's _NodeDesc) this process treats as expired: torchrun has one detector.
+_evicted: set[str] = set()
+
+
+def check_internals(module: ModuleType) -> list[str]:
+    problems = []
+    for dotted in REQUIRED_NAMES:
+        owner, _, name = dotted.partition(".")
+        if not hasattr(getattr(module, owner, None), name):
+            problems.append(f"{dotted} is missing")
+    for dotted, known in KNOWN_FINGERPRINTS.items():
+        owner, _, name = dotted.partition(".")
+        function = getattr(getattr(module, owner, None), name, None)
+        if function is None:
+            continue
+        try:
+            seen = fingerprint(function)
+        except (OSError, TypeError) as error:
+            problems.append(f"{dotted}: source unavailable ({error})")
+            continue
+        if seen != known:
+            problems.append(f"{dotted} changed (source fingerprint {seen}, expected {known})")
+    return problems
+
+
+def _backdate_evicted(state: Any) -> None:
+    heartbeats = state.last_heartbeats
+    for node in list(heartbeats):
+        if repr(node) in _evicted:
+            heartbeats[node] = LONG_AGO
+
+
+def _complete_round_members(state: Any) -> list[str] | None:
+    """The participants of a complete round, None while the round is still forming."""
+    if not state.complete:
+        return None
+    return [repr(node) for node in list(state.participants)]
+
+
+class PeerDetector(threading.Thread):
+    def __init__(
+        self,
+        store: Any,
+        *,
+        me: str,
+        round_members: Callable[[], list[str] | None],
+        run_id: str,
+        settings: WatchSettings,
+        tell: Callable[..., None],
+        say: Callable[[str], None],
+        fence: Callable[[], None],
+    ):
+        super().__init__(name="slurmft-peer-detector", daemon=True)
+        self.store = store
+        self.me = me
+        self.round_members = round_members
+        # The last complete round this node was in: what it watches, also while it rejoins
+        # after a loss (torch then takes it out of the participants, yet the dead peer is
+        # still in the way of the next round).
+        self.members: list[str] = []
+        self.prefix = f"slurmft/peers/{run_id}"
+        self.settings = settings
+        self.watch = PeerWatch(settings)
+        self.tell = tell
+        self.say = say
+        self.fence = fence
+        self.failing_since = 0.0
+        self.declared: set[str] = set()
+        self.stopped = threading.Event()
+
+    def alive_key(self, node: str) -> str:
+        return f"{self.prefix}/alive/{node}"
+
+    @property
+    def evicted_key(self) -> str:
+        return f"{self.prefix}/evicted"
+
+    def run(self) -> None:
+        self.store.compare_set(self.evicted_key, "", encode_dead([]).decode())
+        counter = 0
+        while not self.stopped.is_set():
+            started = time.monotonic()
+            counter += 1
+            try:
+                self.poll(str(counter))
+                if self.failing_since:
+                    self.say("peer detector: the rendezvous store answers again")
+                self.failing_since = 0.0
+            except Exception as error:  # a store error is torch's to act on; keep watching
+                if not self.failing_since:
+                    self.say(f"peer detector: the rendezvous store failed ({error})")
+                    self.failing_since = started
+            self.stopped.wait(max(0.0, self.settings.heartbeat_s - (time.monotonic() - started)))
+
+    def poll(self, counter: str) -> None:
+        self.store.set(self.alive_key(self.me), counter)
+        evicted = decode_dead(self.store.get(self.evicted_key))
+        if self.me in evicted:
+            self.fence()
+            return
+        _evicted.update(evicted)
+        members = self.round_members()
+        if members is not None and self.me in members:
+            self.members = members
+        alive = [m for m in self.members if m not in _evicted]
+        peers = watched(self.me, alive, self.settings.successors)
+        self.watch.observe(self.read_counters(peers), time.monotonic())
+        for verdict in self.watch.verdicts(time.monotonic()):
+            if verdict.peer not in _evicted:
+                self.evict(verdict)
+
+    def read_counters(self, peers: list[str]) -> dict[str, str | None]:
+        keys = [self.alive_key(p) for p in peers]
+        if not keys:
+            return {}
+        if self.store.check(keys):
+            values = self.store.multi_get(keys)
+            return {p: bytes(v).decode() for p, v in zip(peers, values, strict=True)}
+        # A participant that has written nothing yet (get would block until it does).
+        return {p: (bytes(self.store.get(k)).decode() if self.store.check([k]) else None)
+                for p, k in zip(peers, keys, strict=True)}  # fmt: skip
+
+    def evict(self, verdict: Verdict) -> None:
+        while True:
+            raw = bytes(self.store.get(self.evicted_key))
+            nodes = decode_dead(raw)
+            if verdict.peer in nodes:
+                break
+            desired = encode_dead([*nodes, verdict.peer])
+            written = self.store.compare_set(self.evicted_key, raw.decode(), desired.decode())
+            if bytes(written) == desired:
+                break
+        _evicted.add(verdict.peer)
+        if not verdict.left:
+            self.say(f"declared dead and evicted: {verdict.reason()}")
+            self.tell(
+                PEER_DEAD_MESSAGE,
+                peer=verdict.peer,
+                silent_s=round(verdict.silent_s, 3),
+                reason=verdict.reason(),
+            )
+
+    def leave(self) -> None:
+        """This launcher ends: its watchers evict it at once, and declare nothing."""
+        self.stopped.set()
+        with contextlib.suppress(Exception):
+            self.store.set(self.alive_key(self.me), LEFT)
+
+
+def fence_this_node(fence_file: str, say: Callable[[str], None]) -> None:
+    """Declared dead by the others: nothing below this process may train or write again."""
+    if fence_file:
+        with contextlib.suppress(OSError):
+            Path(fence_file).write_text("declared dead by its peers\n")
+    say("this node was declared dead by its peers: stopping its workers and leaving")
+    procs.signal_pids(procs.descendants(os.getpid()), signal.SIGKILL)
+    sys.stderr.flush()
+    os._exit(int(AgentExit.FENCED))
+
+
+def apply(
+    module: ModuleType,
+    settings: WatchSettings,
+    tell: Callable[..., None],
+    say: Callable[[str], None],
+) -> Callable[[], None]:
+    """Patch the module (call only when check_internals is empty). Returns what the launcher
+    calls when it ends (its watchers evict it at once)."""
+    holder_cls = module._BackendRendezvousStateHolder
+    handler_cls = module.DynamicRendezvousHandler
+    original_sanitize = holder_cls._sanitize
+    original_next_rendezvous = handler_cls.next_rendezvous
+    detectors: list[PeerDetector] = []
+    fence_file = os.environ.get(FENCE_FILE_ENV, "")
+
+    @functools.wraps(original_sanitize)
+    def sanitize(self: Any) -> None:
+        if _evicted:
+            _backdate_evicted(self._state)
+        original_sanitize(self)
+
+    @functools.wraps(original_next_rendezvous)
+    def next_rendezvous(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if not detectors:
+            holder = self._state_holder
+            detector = PeerDetector(
+                self._store,
+                me=repr(self._this_node),
+                round_members=lambda: _complete_round_members(holder.state),
+                run_id=self._settings.run_id,
+                settings=settings,
+                tell=tell,
+                say=say,
+                fence=lambda: fence_this_node(fence_file, say),
+            )
+            detectors.append(detector)
+            detector.start()
+        return original_next_rendezvous(self, *args, **kwargs)
+
+    holder_cls._sanitize = sanitize
+    handler_cls.next_rendezvous = next_rendezvous
+    setattr(module, _APPLIED_MARK, True)
+
+    def leave() -> None:
+        for detector in detectors:
+            detector.leave()
+
+    return leave
