@@ -1,14 +1,22 @@
 #!/usr/bin/env python3
-"""Recovery time with a hot spare: node kill -> first completed step at the same world size.
+"""Recovery time with a hot spare: a node lost -> first completed step at the same world size.
 
 Each run starts a standalone store and 3 + 1 `slurmft agent run` on localhost (gloo, the example
-training script), waits for step 8, SIGKILLs one training node (agent, torchrun and workers),
-and times the first step that completes afterwards (world size 3 again: the spare joined).
-Steps are timestamped as rank 0 appends them to losses.jsonl, polled every 10 ms.
+training script), waits for step 8, then loses one training node, and times the first step that
+completes afterwards (world size 3 again: the spare joined). Two ways to lose it:
+- kill: SIGKILL of the node's agent, torchrun, zygote and workers (the kernel closes their
+  sockets, so the survivors' workers fail at once);
+- freeze: SIGSTOP of all of them, as a hung node or a lost network sends nothing; its detection
+  is the first survivor's "declared dead" line, and the node is thawed after the recovery (it
+  must then be fenced: its agent exits 6).
+Steps are timestamped as rank 0 appends them to losses.jsonl, polled every 10 ms; replayed steps
+are those trained again after the recovery (the last step before the loss minus the first step
+after it, plus one).
 
-    .venv/bin/python scripts/bench/recovery.py [--runs 5]
+    .venv/bin/python scripts/bench/recovery.py [--runs 5] [--mode kill|freeze|both]
 
-The last line is `recovery spare_median_s=X`.
+The last line is `recovery spare_median_s=.. replayed_steps_median=.. freeze_detect_median_s=..
+freeze_median_s=..` (the modes run).
 """
 
 from __future__ import annotations
@@ -16,11 +24,13 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import signal
 import statistics
 import sys
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -28,6 +38,9 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(REPO / "tests" / "integration" / "agent"), str(REPO / "tests")]
 
 from agent_cluster import AgentCluster  # noqa: E402
+
+from slurmft.agent.exits import AgentExit  # noqa: E402
+from slurmft.agent.procs import descendants, signal_pids  # noqa: E402
 
 ARGS = ["--steps", "400", "--ckpt-every", "5", "--work-ms", "100", "--heartbeat-interval-s", "1",
         "--pg-timeout-s", "30"]
@@ -67,23 +80,58 @@ class StepClock:
         self._thread.join()
 
 
-def one_run(root: Path, timeout_s: float, settings: list[str], env: dict[str, str]) -> float:
+@dataclass
+class Outcome:
+    recovery_s: float
+    replayed_steps: int
+    detect_s: float | None = None  # freeze mode: until a survivor declared the node dead
+
+
+def replayed(records: list[dict], old_attempt: int) -> int:
+    before = [r["step"] for r in records if r["attempt"] == old_attempt]
+    after = [r["step"] for r in records if r["attempt"] != old_attempt]
+    return max(0, max(before) - min(after) + 1) if before and after else 0
+
+
+def declared_at(cluster: AgentCluster, since: float, deadline: float) -> float | None:
+    while time.monotonic() < deadline:
+        if any("declared dead and evicted" in agent.log() for agent in cluster.agents):
+            return time.time() - since
+        time.sleep(0.01)
+    return None
+
+
+def one_run(
+    root: Path, timeout_s: float, settings: list[str], env: dict[str, str], mode: str
+) -> Outcome:
     cluster = AgentCluster(root, 3, ARGS, settings=settings, env=env)
     clock = StepClock(cluster.out_dir / "losses.jsonl")
     try:
         cluster.start(4)
         cluster.wait_for_step(8, timeout_s)
-        active = cluster.active_agents()
-        killed_at = cluster.kill_node(active[1])
-        (root / "killed_at").write_text(f"{killed_at} agent{active[1].index}\n")
-        # +0.5 s: a line written in the instant of the kill belongs to the old world.
+        victim = cluster.active_agents()[1]
+        old_attempt = cluster.records()[-1]["attempt"]
+        node = [victim.process.pid, *descendants(victim.process.pid)]
+        if mode == "kill":
+            lost_at = cluster.kill_node(victim)
+        else:
+            signal_pids(node, signal.SIGSTOP)
+            lost_at = time.time()
+        (root / "lost_at").write_text(f"{lost_at} {mode} agent{victim.index}\n")
         deadline = time.monotonic() + timeout_s
+        detect_s = declared_at(cluster, lost_at, deadline) if mode == "freeze" else None
+        # +0.5 s: a line written in the instant of the loss belongs to the old world.
         while time.monotonic() < deadline:
-            first = clock.first_step_after(killed_at + 0.5, 3)
+            first = clock.first_step_after(lost_at + 0.5, 3)
             if first is not None:
-                return first - killed_at
+                if mode == "freeze":
+                    signal_pids(node, signal.SIGCONT)
+                    code = victim.process.wait(timeout=30)
+                    if code != AgentExit.FENCED:
+                        raise RuntimeError(f"the thawed node's agent exited {code}, not fenced")
+                return Outcome(first - lost_at, replayed(cluster.records(), old_attempt), detect_s)
             time.sleep(0.05)
-        raise RuntimeError(f"no step within {timeout_s} s of the kill\n{cluster.logs_tail()}")
+        raise RuntimeError(f"no step within {timeout_s} s of the loss\n{cluster.logs_tail()}")
     finally:
         clock.stop()
         cluster.stop()
@@ -96,24 +144,43 @@ def main() -> None:
     parser.add_argument("--timeout-s", type=float, default=180)
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="an agent setting, e.g. agent.keep_alive_max_attempts=3")
+    parser.add_argument("--mode", choices=["kill", "freeze", "both"], default="both")
     parser.add_argument("--keep", action="store_true", help="keep each run's directory and "
                         "log torchrun at INFO (rendezvous rounds), to see where the time goes")
     args = parser.parse_args()
     env = {"LOGLEVEL": "INFO"} if args.keep else {}
-    times = []
+    modes = ["kill", "freeze"] if args.mode == "both" else [args.mode]
+    outcomes: dict[str, list[Outcome]] = {mode: [] for mode in modes}
     for n in range(args.runs):
-        root = Path(tempfile.mkdtemp(prefix="recovery-"))
-        try:
-            times.append(one_run(root, args.timeout_s, args.set, env))
-        finally:
-            if args.keep:
-                print(f"kept {root}", flush=True)
-            else:
-                shutil.rmtree(root, ignore_errors=True)
-        print(f"run {n + 1}: node kill -> first step at world size 3: {times[-1]:.2f} s",
-              flush=True)
-    print(f"min {min(times):.2f} s, max {max(times):.2f} s over {len(times)} runs")
-    print(f"recovery spare_median_s={statistics.median(times):.2f}")
+        for mode in modes:  # alternating, so a change of load hits both alike
+            root = Path(tempfile.mkdtemp(prefix="recovery-"))
+            try:
+                outcome = one_run(root, args.timeout_s, args.set, env, mode)
+            finally:
+                if args.keep:
+                    print(f"kept {root}", flush=True)
+                else:
+                    shutil.rmtree(root, ignore_errors=True)
+            outcomes[mode].append(outcome)
+            detected = "" if outcome.detect_s is None else f", declared at {outcome.detect_s:.2f} s"
+            print(f"run {n + 1} {mode}: first step at world size 3 after {outcome.recovery_s:.2f} s"
+                  f"{detected}, {outcome.replayed_steps} steps replayed", flush=True)
+    fields = []
+    for mode, found in outcomes.items():
+        times = [o.recovery_s for o in found]
+        print(f"{mode}: min {min(times):.2f} s, max {max(times):.2f} s over {len(times)} runs")
+    if "kill" in outcomes:
+        kill_median = statistics.median(o.recovery_s for o in outcomes["kill"])
+        fields.append(f"spare_median_s={kill_median:.2f}")
+    every = [o for found in outcomes.values() for o in found]
+    fields.append(f"replayed_steps_median={statistics.median(o.replayed_steps for o in every):g}")
+    if "freeze" in outcomes:
+        freeze = outcomes["freeze"]
+        detect = [o.detect_s for o in freeze if o.detect_s is not None]
+        if detect:
+            fields.append(f"freeze_detect_median_s={statistics.median(detect):.2f}")
+        fields.append(f"freeze_median_s={statistics.median(o.recovery_s for o in freeze):.2f}")
+    print("recovery " + " ".join(fields))
 
 
 if __name__ == "__main__":

@@ -188,6 +188,11 @@ class PeerDetector(threading.Thread):
                 for p, k in zip(peers, keys, strict=True)}  # fmt: skip
 
     def evict(self, verdict: Verdict) -> None:
+        if verdict.left:
+            # Gone for good: evicted from this node's view only. The list stays as short as
+            # the run's failures (every launcher reads it ten times a second).
+            _evicted.add(verdict.peer)
+            return
         while True:
             raw = bytes(self.store.get(self.evicted_key))
             nodes = decode_dead(raw)
@@ -198,14 +203,13 @@ class PeerDetector(threading.Thread):
             if bytes(written) == desired:
                 break
         _evicted.add(verdict.peer)
-        if not verdict.left:
-            self.say(f"declared dead and evicted: {verdict.reason()}")
-            self.tell(
-                PEER_DEAD_MESSAGE,
-                peer=verdict.peer,
-                silent_s=round(verdict.silent_s, 3),
-                reason=verdict.reason(),
-            )
+        self.say(f"declared dead and evicted: {verdict.reason()}")
+        self.tell(
+            PEER_DEAD_MESSAGE,
+            peer=verdict.peer,
+            silent_s=round(verdict.silent_s, 3),
+            reason=verdict.reason(),
+        )
 
     def leave(self) -> None:
         """This launcher ends: its watchers evict it at once, and declare nothing."""
