@@ -17,7 +17,8 @@ from support.waiting import wait_for
 from slurmft.agent.exits import AgentExit
 from slurmft.agent.procs import descendants, is_alive, signal_pids
 
-pytestmark = pytest.mark.torch
+# serial: a 1.5 s silence is a death; a 1 s stop must not be, whatever the other tests' load.
+pytestmark = [pytest.mark.torch, pytest.mark.serial]
 
 ARGS = ["--steps", "400", "--ckpt-every", "5", "--work-ms", "100", "--heartbeat-interval-s", "1",
         "--pg-timeout-s", "30"]  # fmt: skip
