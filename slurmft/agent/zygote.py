@@ -37,6 +37,7 @@ import argparse
 import ast
 import contextlib
 import importlib
+import importlib.util
 import json
 import os
 import runpy
@@ -81,8 +82,6 @@ def script_source(target: Target) -> Path | None:
     it: its package's __init__ runs, as the cold start would run it)."""
     if not target.module:
         return Path(target.name)
-    import importlib.util
-
     try:
         spec = importlib.util.find_spec(target.name)
     except (ImportError, ValueError):
@@ -92,8 +91,9 @@ def script_source(target: Target) -> Path | None:
 
 def top_level_imports(source: str) -> list[str]:
     """Absolute modules the source imports at its top level (also inside top-level try/if
-    blocks): what runs before the script's own code. `from a import b` names `a` and `a.b`
-    (b may be a submodule); relative imports are left to the script."""
+    blocks): what runs before the script's own code. `from a import b` names `a`, and `a.b`
+    as `a:b` (b may be a submodule, or a name `a` defines); relative imports are left to the
+    script."""
     names: list[str] = []
 
     def visit(statements: list[ast.stmt]) -> None:
@@ -102,7 +102,7 @@ def top_level_imports(source: str) -> list[str]:
                 names.extend(alias.name for alias in node.names)
             elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
                 names.append(node.module)
-                names.extend(f"{node.module}.{alias.name}" for alias in node.names)
+                names.extend(f"{node.module}:{alias.name}" for alias in node.names)
             elif isinstance(node, ast.Try):
                 visit(node.body)
             elif isinstance(node, ast.If) and not _is_main_guard(node):
@@ -128,12 +128,25 @@ class Preloaded:
 
 
 def preload(names: list[str]) -> Preloaded:
-    """Import each name that imports; a name that fails is the script's to fail on (or a
-    `from a import b` whose b is no module)."""
+    """Import each name that imports; a module that fails is the script's to fail on. `a:b`
+    is `a.b` when that is a submodule, and nothing when `a` defines b itself."""
     started = time.monotonic()
     imported, failed = [], {}
     os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
-    for name in names:
+    for entry in names:
+        parent, _, attribute = entry.partition(":")
+        if attribute:
+            module = sys.modules.get(parent)
+            if module is None or hasattr(module, attribute):
+                continue  # a name it defines, or a module that did not import
+            name = f"{parent}.{attribute}"
+            try:
+                if importlib.util.find_spec(name) is None:
+                    continue
+            except (ImportError, ValueError):  # `parent` is no package
+                continue
+        else:
+            name = entry
         if name in sys.modules:
             imported.append(name)
             continue

@@ -208,7 +208,7 @@ def test_the_scripts_top_level_imports_are_what_the_zygote_imports() -> None:
         """
     )
     assert top_level_imports(source) == [
-        "os", "numpy", "torch", "torch.nn", "apex", "typing_only",
+        "os", "numpy", "torch", "torch:nn", "apex", "typing_only",
     ]  # fmt: skip
     assert top_level_imports("def broken(:") == []
 
