@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -12,9 +13,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
+from sqlalchemy import select
+from sqlalchemy.exc import SQLAlchemyError
 from support.waiting import wait_for_value
 
 from slurmft.controller.rpc import SOCKET_NAME, DaemonUnreachable, call
+from slurmft.db import Database
+from slurmft.db.models import Event, EventKind
 
 if TYPE_CHECKING:
     from unix_users import UnixUser
@@ -126,3 +131,30 @@ def running_daemon(
         yield process
     finally:
         process.stop_if_running()
+        record_peer_deaths(full_env)
+
+
+# scripts/test collects every dead-peer declaration the suite's daemons stored (issue: none may
+# be a false alarm), with the test that made it, and prints them at the end.
+PEER_DEATHS_LOG_ENV = "SLURMFT_TEST_PEER_DEATHS"
+
+
+def record_peer_deaths(env: dict[str, str]) -> None:
+    log = os.environ.get(PEER_DEATHS_LOG_ENV, "")
+    store = Path(env["SLURMFT_PATHS_STATE_DIR"]) / "slurmft.db"
+    if not log or "SLURMFT_DATABASE_URL" in env or not store.exists():
+        return
+    database = Database(f"sqlite:///{store}")
+    try:
+        with database.session() as session:
+            found = session.execute(
+                select(Event.node, Event.message).where(Event.kind == EventKind.PEER_DEAD)
+            ).all()
+    except SQLAlchemyError:
+        return  # a store the test broke on purpose says nothing
+    finally:
+        database.dispose()
+    test = os.environ.get("PYTEST_CURRENT_TEST", "?").rsplit(" ", 1)[0]
+    with open(log, "a") as stream:
+        for node, message in found:
+            stream.write(json.dumps({"test": test, "by": node, "message": message}) + "\n")
