@@ -113,7 +113,7 @@ class PeerDetector(threading.Thread):
         round_members: Callable[[], list[str] | None],
         run_id: str,
         settings: WatchSettings,
-        tell: Callable[..., None],
+        tell: Callable[..., object],
         say: Callable[[str], None],
         fence: Callable[[], None],
     ):
@@ -232,7 +232,7 @@ def fence_this_node(fence_file: str, say: Callable[[str], None]) -> None:
 def apply(
     module: ModuleType,
     settings: WatchSettings,
-    tell: Callable[..., None],
+    tell: Callable[..., object],
     say: Callable[[str], None],
 ) -> Callable[[], None]:
     """Patch the module (call only when check_internals is empty). Returns what the launcher
