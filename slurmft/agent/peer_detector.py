@@ -143,7 +143,6 @@ class PeerDetector(threading.Thread):
         return f"{self.prefix}/evicted"
 
     def run(self) -> None:
-        self.store.compare_set(self.evicted_key, "", encode_dead([]).decode())
         counter = 0
         while not self.stopped.is_set():
             started = time.monotonic()
@@ -161,7 +160,7 @@ class PeerDetector(threading.Thread):
 
     def poll(self, counter: str) -> None:
         self.store.set(self.alive_key(self.me), counter)
-        evicted = decode_dead(self.store.get(self.evicted_key))
+        evicted = decode_dead(self.read_evicted())
         if self.me in evicted:
             self.fence()
             return
@@ -176,16 +175,19 @@ class PeerDetector(threading.Thread):
             if verdict.peer not in _evicted:
                 self.evict(verdict)
 
+    def read_evicted(self) -> bytes:
+        """The list as it is, or an empty one created: never a `get`, which waits for a missing
+        key (a restarted store has none) while this node's heartbeat stops."""
+        return bytes(self.store.compare_set(self.evicted_key, "", encode_dead([]).decode()))
+
     def read_counters(self, peers: list[str]) -> dict[str, str | None]:
-        keys = [self.alive_key(p) for p in peers]
-        if not keys:
-            return {}
-        if self.store.check(keys):
-            values = self.store.multi_get(keys)
-            return {p: bytes(v).decode() for p, v in zip(peers, values, strict=True)}
-        # A participant that has written nothing yet (get would block until it does).
-        return {p: (bytes(self.store.get(k)).decode() if self.store.check([k]) else None)
-                for p, k in zip(peers, keys, strict=True)}  # fmt: skip
+        """Each peer's counter; None for one that has written none (a compare-and-set that
+        finds no key leaves it empty: never a `get`, which would wait for it)."""
+        found: dict[str, str | None] = {}
+        for peer in peers:
+            value = bytes(self.store.compare_set(self.alive_key(peer), "", "")).decode()
+            found[peer] = value or None
+        return found
 
     def evict(self, verdict: Verdict) -> None:
         if verdict.left:
@@ -194,7 +196,7 @@ class PeerDetector(threading.Thread):
             _evicted.add(verdict.peer)
             return
         while True:
-            raw = bytes(self.store.get(self.evicted_key))
+            raw = self.read_evicted()
             nodes = decode_dead(raw)
             if verdict.peer in nodes:
                 break
