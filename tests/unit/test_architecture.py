@@ -103,6 +103,15 @@ def test_the_node_side_and_the_policy_load_no_store() -> None:
     assert {m for m in loaded if m.startswith("slurmft.db")} == set()
 
 
+def test_a_warm_workers_client_loads_only_the_standard_library() -> None:
+    """torchrun starts one per worker in place of the script (slurmft.agent.warm_start): what it
+    imports is the whole cost of a warm start besides the fork."""
+    loaded = modules_loaded_by("import slurmft.agent.warm_start")
+    ours = {m for m in loaded if m.split(".")[0] == "slurmft"}
+    assert ours == {"slurmft", "slurmft.agent", "slurmft.agent.warm_start"}
+    assert top_level(loaded, "torch", "msgspec", "pydantic", "numpy", "typer") == set()
+
+
 def test_slurmft_version_loads_neither_the_store_nor_the_agent() -> None:
     loaded = modules_loaded_by(
         "import sys\nfrom slurmft.cli import main\nsys.argv = ['slurmft', '--version']\n"
