@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -89,6 +90,15 @@ class AgentSettings:
     @property
     def worker_log_dir(self) -> Path:
         return self.work_dir / "worker-logs"
+
+    @property
+    def snapshot_dir(self) -> Path:
+        """Where the node's in-memory snapshots go (slurmft.train.snapshot): tmpfs, where there
+        is one; removed when the agent ends (they are worth nothing after the run on this node)."""
+        shm = Path("/dev/shm")
+        if shm.is_dir() and os.access(shm, os.W_OK):
+            return shm / f"slurmft-{os.getuid()}-{self.work_dir.name}"
+        return self.work_dir / "snapshots"
 
 
 @dataclass
@@ -251,6 +261,7 @@ class NodeAgent:
     def run(self) -> AgentExit:
         ensure_dir(self.settings.work_dir)
         ensure_dir(self.settings.stacks_dir)
+        ensure_dir(self.settings.snapshot_dir)
         if self.reporter is not None:
             self.reporter.start()
         try:
@@ -262,6 +273,7 @@ class NodeAgent:
             finally:
                 channel.close()
         finally:
+            shutil.rmtree(self.settings.snapshot_dir, ignore_errors=True)
             if self.reporter is not None:
                 self.reporter.stop(flush_timeout_s=5.0)
 
@@ -272,6 +284,7 @@ class NodeAgent:
             agent_socket=str(settings.socket_path),
             stacks_dir=str(settings.stacks_dir),
             save_request_file=str(settings.save_request_file),
+            snapshot_dir=str(settings.snapshot_dir),
         )
         spec = dataclasses.replace(settings.spec, worker_log_dir=str(settings.worker_log_dir))
         argv = launcher_argv(spec, settings.python)

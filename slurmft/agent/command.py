@@ -37,7 +37,7 @@ from pathlib import PurePath
 from slurmft.agent.rdzv_fix import TORCH_POLL_S
 from slurmft.config import AgentSection
 from slurmft.core.output import RANK_LABEL_TEMPLATE
-from slurmft.train.report import FENCE_FILE_ENV
+from slurmft.train.report import FENCE_FILE_ENV, SNAPSHOT_DIR_ENV
 
 LAUNCHER_MODULE = "slurmft.agent.launcher"
 # What torchrun runs in place of the script when workers start warm (slurmft.agent.zygote).
@@ -192,7 +192,12 @@ def launcher_argv(spec: TorchrunSpec, python: str) -> list[str]:
 
 
 def torchrun_env(
-    base: Mapping[str, str], *, agent_socket: str, stacks_dir: str, save_request_file: str
+    base: Mapping[str, str],
+    *,
+    agent_socket: str,
+    stacks_dir: str,
+    save_request_file: str,
+    snapshot_dir: str = "",
 ) -> dict[str, str]:
     """torchrun's environment: the user's, NCCL defaults under it, slurmft's requirements over it.
     torchrun passes it on to the workers."""
@@ -205,4 +210,6 @@ def torchrun_env(
     env[STACKS_DIR_ENV] = stacks_dir
     env[SAVE_REQUEST_FILE_ENV] = save_request_file
     env[FENCE_FILE_ENV] = str(PurePath(agent_socket).with_name(FENCE_FILE_NAME))
+    if snapshot_dir:
+        env[SNAPSHOT_DIR_ENV] = snapshot_dir
     return env

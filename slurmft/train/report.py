@@ -26,6 +26,8 @@ RDZV_ROUND_ENV = "SLURMFT_RDZV_ROUND"
 # A file the launcher writes when its node was declared dead by its peers (a frozen node that
 # ran again, slurmft.agent.peer_detector): a worker that sees it commits no checkpoint.
 FENCE_FILE_ENV = "SLURMFT_FENCE_FILE"
+# The node's in-memory snapshots (slurmft.train.snapshot): a tmpfs folder the agent owns.
+SNAPSHOT_DIR_ENV = "SLURMFT_SNAPSHOT_DIR"
 
 
 def node_fenced() -> bool:

@@ -59,6 +59,7 @@ from slurmft.train import (
 )
 from slurmft.train.numerical import NUMERICAL_STOP_EXIT_CODE, NumericalGuard, NumericalVerdict
 from slurmft.train.report import rdzv_round
+from slurmft.train.snapshot import MemorySnapshots, Restored
 
 DATASET_SIZE = 600
 FEATURES = 16
@@ -111,6 +112,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="what a non-finite loss that a re-run reproduces does (slurmft.train.numerical;\n"
         "default: $SLURMFT_NUMERICAL_POLICY, else record)",
+    )
+    p.add_argument(
+        "--snapshots",
+        action="store_true",
+        help="in-memory snapshots (slurmft.train.snapshot) in --snapshot-dir, else\n"
+        "$SLURMFT_SNAPSHOT_DIR (the agent's tmpfs folder); a restart resumes from the newest",
+    )
+    p.add_argument("--snapshot-dir", default=None, help="{rank} is substituted")
+    p.add_argument("--snapshot-every", type=int, default=0, help="0: from the measured cost")
+    p.add_argument(
+        "--corrupt-snapshots-at-crash",
+        action="store_true",
+        help="--crash-at-step first flips a byte of every snapshot this node holds",
     )
     p.add_argument("--check-grads", action="store_true", help="also check local gradients")
     p.add_argument("--poison-index", type=int, default=-1, help="a dataset sample made NaN")
@@ -267,6 +281,14 @@ class TinyRun:
         self.checkpoints = CheckpointManager(
             root, args.keep_last, channel, on_shards_written=self._maybe_kill_during_save
         )
+        self.snapshots: MemorySnapshots | None = None
+        if args.snapshots:
+            folder = args.snapshot_dir
+            self.snapshots = MemorySnapshots(
+                channel,
+                folder=None if folder is None else folder.replace("{rank}", str(self.rank)),
+                every=args.snapshot_every,
+            )
 
     def _maybe_kill_during_save(self, step: int) -> None:
         if fault_due(self.args.kill_during_save, step, self.rank, self.args.fault_rank):
@@ -281,6 +303,13 @@ class TinyRun:
         if removed:
             self.journal.event("removed_unpublished", names=removed)
         checkpoint = self.checkpoints.latest_verified()
+        if self.snapshots is not None:
+            durable = None if checkpoint is None else checkpoint.resume["global_step"]
+            outcome, state = self.snapshots.restore(durable)
+            if outcome.restored is not None and state is not None:
+                self._resume_from_snapshot(outcome.restored, state)
+                return
+            self.journal.event("snapshot_not_used", reason=outcome.reason, durable_step=durable)
         if checkpoint is None:
             seed_rank(self.args.seed, self.rank, 0)
             self.journal.event("fresh_start", plan=vars_of(self.plan))
@@ -319,6 +348,43 @@ class TinyRun:
             notes=notes,
             skipped=list(checkpoint.skipped),
         )
+
+    def _resume_from_snapshot(self, restored: Restored, state: dict[str, Any]) -> None:
+        resume = restored.resume
+        notes = check_resume(
+            resume["contract"],
+            self.contract,
+            checkpoint=f"the in-memory snapshot of step {restored.step}",
+            allow_global_batch_change=self.args.allow_global_batch_change,
+            allow_lr_schedule_change=self.args.allow_lr_schedule_change,
+        )
+        set_state_dict(
+            self.model,
+            self.optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optim"],
+        )
+        self.scheduler.load_state_dict(resume["lr_scheduler"])
+        self.sampler.load_state_dict(resume["sampler"])
+        self.step = resume["global_step"]
+        restore_rng_state(restored.rng)
+        self.journal.event(
+            "resumed",
+            step=self.step,
+            source="snapshot",
+            from_rank=restored.source_rank,
+            world_size=self.world,
+            plan=vars_of(self.plan),
+            notes=notes,
+        )
+
+    def corrupt_snapshots(self) -> None:
+        if self.snapshots is None or self.snapshots.folder is None:
+            return
+        for path in self.snapshots.folder.path.glob("step-*.pt"):
+            data = bytearray(path.read_bytes())
+            data[len(data) // 2] ^= 0xFF
+            path.write_bytes(bytes(data))
 
     def _resume_state(self) -> dict[str, Any]:
         return {
@@ -498,6 +564,8 @@ class TinyRun:
             if self.args.eval_every and self.step % self.args.eval_every == 0:
                 self.evaluate(heartbeat)
             if fault_due(self.args.crash_at_step, self.step, self.rank, self.args.fault_rank):
+                if self.args.corrupt_snapshots_at_crash:
+                    self.corrupt_snapshots()
                 kill_self()
             if fault_due(self.args.hang_at_step, self.step, self.rank, self.args.fault_rank):
                 hang_forever()
@@ -505,6 +573,13 @@ class TinyRun:
                 self.save("requested", heartbeat)
             elif self.step % self.args.ckpt_every == 0 or self.step == self.args.steps:
                 self.save("interval", heartbeat)
+            if self.snapshots is not None:
+                self.snapshots.after_step(
+                    self.step,
+                    self._state,
+                    self._resume_state,
+                    during=lambda: heartbeat.phase(Phase.CHECKPOINT, self.step),
+                )
         if self.rank == 0:
             weights = {name: t.cpu() for name, t in self.model.state_dict().items()}
             torch.save(weights, Path(self.args.out_dir) / "final_weights.pt")
