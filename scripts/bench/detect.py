@@ -177,7 +177,7 @@ def submitted(
 
 def worker_pid(run: SubmittedRun, rank: int) -> int:
     """The training process of ``rank`` (torchrun sets RANK in the workers' environment only)."""
-    for pid, _argv, environ in workers(str(run.out).encode()):
+    for pid, _argv, environ in workers("slurmft.train.examples.tiny", str(run.out).encode()):
         if f"RANK={rank}".encode() in environ:
             return pid
     raise LookupError(f"no worker process of rank {rank} for {run.out}")

@@ -385,6 +385,13 @@ def become_worker(job: Job, zygote_pid: int, registry: Path) -> None:
     _fresh_library_state(job.env)
 
 
+def forget_own_modules() -> None:
+    """A script that imports nothing of slurmft finds nothing of slurmft loaded, as under a
+    cold start: the zygote's own modules leave sys.modules (what runs keeps its references)."""
+    for name in [m for m in sys.modules if m == "slurmft" or m.startswith("slurmft.")]:
+        del sys.modules[name]
+
+
 def _fresh_library_state(env: dict[str, str]) -> None:
     numpy = sys.modules.get("numpy")
     if numpy is not None:
@@ -467,6 +474,8 @@ def main(argv: list[str] | None = None) -> int:
     registry.mkdir(mode=0o700, exist_ok=True)
     job = Zygote(listener, source_stamps(sources), registry).serve()
     become_worker(job, zygote_pid, registry)
+    if not any(name.partition(":")[0].split(".")[0] == "slurmft" for name in names):
+        forget_own_modules()
     run_job(job)
     return 0
 

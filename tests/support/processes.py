@@ -15,7 +15,6 @@ from pathlib import Path
 from slurmft.agent.zygote import warm_environ
 
 ZYGOTE = "slurmft.agent.zygote"
-NOT_WORKERS = ("slurmft.agent.launcher", "slurmft.agent.warm_start")
 
 
 def argv_of(pid: int) -> list[str]:
@@ -27,19 +26,21 @@ def parent_of(pid: int) -> int:
     return int(stat[stat.rindex(")") + 2 :].split()[1])
 
 
-def is_worker(pid: int, argv: list[str]) -> bool:
-    """Whether the process trains (a cold worker, or one its zygote forked), given its argv."""
-    if ZYGOTE in argv:
-        return argv_of(parent_of(pid)) == argv  # the zygote's child, not the zygote
-    return not any(name in argv for name in NOT_WORKERS)
+def is_worker(pid: int, argv: list[str], script: str) -> bool:
+    """Whether the process trains `script` (a path or module): a cold worker runs it itself
+    (`python [-u] [-m] SCRIPT`); a warm one is its zygote's child, with the zygote's argv. The
+    agent, the launcher, the zygote and the warm-start clients name the script further on."""
+    if ZYGOTE in argv[1:4]:
+        return script in argv and argv_of(parent_of(pid)) == argv
+    return script in argv[1:4]
 
 
 def environ_of(pid: int) -> set[bytes]:
     return set(warm_environ(pid).split(b"\0"))
 
 
-def workers(names: bytes) -> Iterator[tuple[int, list[str], set[bytes]]]:
-    """Every training process whose command line holds `names` (the script, a run's folder):
+def workers(script: str, names: bytes = b"") -> Iterator[tuple[int, list[str], set[bytes]]]:
+    """Every process training `script` whose command line also holds `names` (a run's folder):
     pid, argv and the environment it runs with."""
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -47,10 +48,10 @@ def workers(names: bytes) -> Iterator[tuple[int, list[str], set[bytes]]]:
         pid = int(entry.name)
         try:
             raw = (entry / "cmdline").read_bytes()
-            if names not in raw:
+            if names not in raw or script.encode() not in raw:
                 continue
             argv = argv_of(pid)
-            if is_worker(pid, argv):
+            if is_worker(pid, argv, script):
                 yield pid, argv, environ_of(pid)
         except (OSError, ValueError, IndexError):
             continue  # exited while we looked

@@ -54,7 +54,7 @@ class Agent:
         for pid in descendants(self.process.pid):
             try:
                 argv = argv_of(pid)
-                if TINY in argv and is_worker(pid, argv):
+                if is_worker(pid, argv, TINY):
                     found.append(pid)
             except (OSError, ValueError, IndexError):
                 continue  # exited while we looked

@@ -178,7 +178,7 @@ def workers_on(cluster: Cluster, step: str, node: str) -> int:
     for pid in step_pids(cluster, step, node):
         try:
             argv = argv_of(pid)
-            count += "slurmft.train.examples.tiny" in argv and is_worker(pid, argv)
+            count += is_worker(pid, argv, "slurmft.train.examples.tiny")
         except (OSError, ValueError, IndexError):
             continue  # exited while we looked
     return count

@@ -206,10 +206,7 @@ def worker_pid(run: SubmittedRun, rank: int) -> int:
     """The training process of `rank` in the run (all nodes run on this host; job ids repeat
     across clusters, checkpoint directories do not)."""
     wanted = b"RANK=" + str(rank).encode()
-    found = [
-        pid
-        for pid, argv, environ in workers(str(run.ckpt_dir).encode())
-        if "slurmft.train.examples.tiny" in argv and wanted in environ
-    ]
+    ranks = workers("slurmft.train.examples.tiny", str(run.ckpt_dir).encode())
+    found = [pid for pid, _argv, environ in ranks if wanted in environ]
     assert len(found) == 1, f"rank {rank} of run {run.run_id}: processes {found}"
     return found[0]

@@ -43,10 +43,9 @@ def _worker_nodes(run: SubmittedRun) -> set[str]:
     example's module itself; the spare's torchrun, waiting to join, names it only as the script
     it would start (killing that node would cost the run nothing)."""
     found = set()
-    for _pid, argv, environ in workers(str(run.ckpt_dir).encode()):
-        if "slurmft.train.examples.tiny" in argv:
-            found |= {v[len(b"SLURMD_NODENAME="):].decode() for v in environ
-                      if v.startswith(b"SLURMD_NODENAME=")}  # fmt: skip
+    for _pid, _argv, environ in workers("slurmft.train.examples.tiny", str(run.ckpt_dir).encode()):
+        found |= {v[len(b"SLURMD_NODENAME="):].decode() for v in environ
+                  if v.startswith(b"SLURMD_NODENAME=")}  # fmt: skip
     return found
 
 

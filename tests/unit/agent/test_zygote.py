@@ -219,3 +219,23 @@ def _alive(pid: int) -> bool:
     except OSError:
         return False
     return stat[stat.rindex(")") + 2] != "Z"
+
+
+def test_a_script_that_imports_nothing_of_slurmft_finds_none_of_it_loaded(
+    zygote: tuple[subprocess.Popen[bytes], Path], script: Path, tmp_path: Path
+) -> None:
+    """As under a cold start (slurmft/train/examples/plain.py reports what it finds)."""
+    _, socket_path = zygote
+    probe = tmp_path / "probe.py"
+    probe.write_text(
+        "import json, os, sys\n"
+        "loaded = [m for m in sys.modules if m.split('.')[0] == 'slurmft']\n"
+        "warm = os.environ.get('SLURMFT_WARM_START')\n"
+        "open(os.environ['OUT'], 'w').write(json.dumps([warm, loaded]))\n"
+    )
+    out = tmp_path / "out.json"
+    # The zygote was started for `script`, which imports nothing of slurmft either.
+    done = client(socket_path, out, str(probe), cwd=tmp_path)
+    done.communicate(timeout=30)
+    warm, loaded = json.loads(out.read_text())
+    assert warm is not None and loaded == []
