@@ -1,0 +1,132 @@
+#!/usr/bin/env python3
+"""What an in-memory snapshot (slurmft.train.snapshot) costs, against the size of the state.
+
+For each size (parameters + Adam's two moments, fp32: 12 bytes a parameter), one process (gloo,
+world size 1) trains an MLP of that many parameters on the CPU and measures:
+- the step time (forward, backward, Adam step; median of 5);
+- a snapshot (`MemorySnapshots.save`: gather the RNG states, `torch.save`, sha256, write and
+  rename in tmpfs), first call and median of 3 after;
+- the K the code picks (`snapshot_every`, 3 % budget) and the overhead per step at that K.
+Then two processes measure the restore's broadcast of a snapshot from one rank to the other
+(the way a spare receives it): bytes a second.
+
+    .venv/bin/python scripts/bench/snapshot.py [--sizes-mb 16,256,1024]
+
+The last line is `snapshot overhead_pct=.. (per size) broadcast_mb_s=..`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from slurmft.train.snapshot import MemorySnapshots, snapshot_every
+
+BYTES_PER_PARAMETER = 12  # fp32 weights + Adam's exp_avg and exp_avg_sq
+WIDTH = 512  # 0.26 M parameters a layer: 3 MB of state
+
+
+def model_of(size_mb: int) -> torch.nn.Module:
+    parameters = size_mb * 2**20 // BYTES_PER_PARAMETER
+    layers = max(1, parameters // (WIDTH * WIDTH))
+    return torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH) for _ in range(layers)])
+
+
+def init(rank: int, world: int, port: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+
+
+def measure_size(size_mb: int, folder: Path) -> dict[str, float]:
+    torch.manual_seed(0)
+    model = model_of(size_mb)
+    optimizer = torch.optim.Adam(model.parameters())
+    batch = torch.randn(32, WIDTH)
+    step_times = []
+    for _ in range(6):
+        started = time.perf_counter()
+        optimizer.zero_grad()
+        model(batch).square().mean().backward()
+        optimizer.step()
+        step_times.append(time.perf_counter() - started)
+    step_s = statistics.median(step_times[1:])
+    state_bytes = sum(p.numel() * 4 for p in model.parameters()) * 3
+    snapshots = MemorySnapshots(folder=str(folder), every=1)
+    costs = []
+    for step in range(1, 5):
+        started = time.perf_counter()
+        snapshots.save(step, {"model": model.state_dict(), "optim": optimizer.state_dict()},
+                       {"global_step": step})  # fmt: skip
+        costs.append(time.perf_counter() - started)
+    cost_s = statistics.median(costs[1:])
+    every = snapshot_every(cost_s, step_s)
+    return {
+        "state_mb": state_bytes / 2**20,
+        "step_s": step_s,
+        "first_s": costs[0],
+        "cost_s": cost_s,
+        "every": every,
+        "overhead_pct": 100 * cost_s / every / step_s,
+        "write_mb_s": state_bytes / 2**20 / cost_s,
+    }
+
+
+def broadcast_rank(rank: int, size_mb: int, port: int, out: dict[str, float]) -> None:
+    init(rank, 2, port)
+    data = torch.ones(size_mb * 2**20, dtype=torch.uint8) if rank == 0 else torch.empty(
+        size_mb * 2**20, dtype=torch.uint8)  # fmt: skip
+    dist.broadcast(data, src=0)  # a first one sets the connection up
+    times = []
+    for _ in range(3):
+        dist.barrier()
+        started = time.perf_counter()
+        dist.broadcast(data, src=0)
+        times.append(time.perf_counter() - started)
+    if rank == 1:
+        out["broadcast_mb_s"] = size_mb / statistics.median(times)
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes-mb", default="16,256,1024")
+    parser.add_argument("--broadcast-mb", type=int, default=256)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    init(0, 1, 29611)
+    shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+    fields = []
+    for size_mb in (int(s) for s in args.sizes_mb.split(",")):
+        folder = Path(tempfile.mkdtemp(prefix="snapshot-bench-", dir=shm))
+        try:
+            r = measure_size(size_mb, folder)
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+        print(f"state {r['state_mb']:.0f} MB: step {r['step_s']:.3f} s, snapshot first "
+              f"{r['first_s']:.3f} s then {r['cost_s']:.3f} s ({r['write_mb_s']:.0f} MB/s), "
+              f"K={r['every']:g}, overhead {r['overhead_pct']:.2f} % of step time", flush=True)
+        fields.append(f"overhead_pct_{size_mb}mb={r['overhead_pct']:.2f}")
+    dist.destroy_process_group()
+    with mp.Manager() as manager:
+        out = manager.dict()
+        mp.spawn(broadcast_rank, args=(args.broadcast_mb, 29612, out), nprocs=2, join=True)
+        rate = out["broadcast_mb_s"]
+    print(f"broadcast of {args.broadcast_mb} MB from one rank to another (gloo, loopback): "
+          f"{rate:.0f} MB/s")
+    print("snapshot " + " ".join(fields) + f" broadcast_mb_s={rate:.0f}")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
