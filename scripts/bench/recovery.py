@@ -102,9 +102,10 @@ def declared_at(cluster: AgentCluster, since: float, deadline: float) -> float |
 
 
 def one_run(
-    root: Path, timeout_s: float, settings: list[str], env: dict[str, str], mode: str
+    root: Path, timeout_s: float, settings: list[str], env: dict[str, str], *, mode: str,
+    script_args: list[str],
 ) -> Outcome:
-    cluster = AgentCluster(root, 3, ARGS, settings=settings, env=env)
+    cluster = AgentCluster(root, 3, script_args, settings=settings, env=env)
     clock = StepClock(cluster.out_dir / "losses.jsonl")
     try:
         cluster.start(4)
@@ -145,6 +146,8 @@ def main() -> None:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="an agent setting, e.g. agent.keep_alive_max_attempts=3")
     parser.add_argument("--mode", choices=["kill", "freeze", "both"], default="both")
+    parser.add_argument("--snapshots", action="store_true",
+                        help="the script takes in-memory snapshots (K from their cost)")
     parser.add_argument("--keep", action="store_true", help="keep each run's directory and "
                         "log torchrun at INFO (rendezvous rounds), to see where the time goes")
     args = parser.parse_args()
@@ -155,7 +158,9 @@ def main() -> None:
         for mode in modes:  # alternating, so a change of load hits both alike
             root = Path(tempfile.mkdtemp(prefix="recovery-"))
             try:
-                outcome = one_run(root, args.timeout_s, args.set, env, mode)
+                script_args = [*ARGS, "--snapshots"] if args.snapshots else ARGS
+                outcome = one_run(root, args.timeout_s, args.set, env, mode=mode,
+                                  script_args=script_args)
             finally:
                 if args.keep:
                     print(f"kept {root}", flush=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -178,6 +179,8 @@ class AgentCluster:
                 agent.process.wait(timeout=10)
         if self.store is not None:
             self.store.stop()
+        for agent in self.agents:  # a killed agent leaves its tmpfs snapshot folder behind
+            shutil.rmtree(f"/dev/shm/slurmft-{os.getuid()}-{agent.work_dir.name}", True)
 
 
 _ROUND = re.compile(r"rendezvous round (\d+)(?: -> (\d+))?")
