@@ -22,6 +22,8 @@ pytestmark = [pytest.mark.torch, pytest.mark.serial]
 ARGS = ["--steps", "400", "--ckpt-every", "5", "--work-ms", "100", "--heartbeat-interval-s", "1",
         "--pg-timeout-s", "30"]  # fmt: skip
 RECOVERY_LIMIT_S = 8.0
+# 30 s in the suite; SLURMFT_TEST_HOG_S=60 for the issue's full minute.
+HOG_S = float(os.environ.get("SLURMFT_TEST_HOG_S", "30"))
 
 
 def test_a_killed_node_is_replaced_by_the_spare_within_eight_seconds(tmp_path: Path) -> None:
@@ -48,7 +50,7 @@ def test_a_killed_node_is_replaced_by_the_spare_within_eight_seconds(tmp_path: P
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores to split the nodes")
 def test_a_node_sharing_one_core_with_a_cpu_hog_is_not_declared_dead(tmp_path: Path) -> None:
     """One node's agent, torchrun, zygote and worker and a 100 % CPU hog on one core, the other
-    nodes on the other, for 30 s: training goes on in the same round, nobody is declared."""
+    nodes on the other, for HOG_S: training goes on in the same round, nobody is declared."""
     first, second = sorted(os.sched_getaffinity(0))[:2]
     cluster = AgentCluster(tmp_path, 3, ARGS)
     hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
@@ -63,7 +65,7 @@ def test_a_node_sharing_one_core_with_a_cpu_hog_is_not_declared_dead(tmp_path: P
                 os.sched_setaffinity(pid, {core})
         os.sched_setaffinity(hog.pid, {first})
         steps_before = len(cluster.records())
-        time.sleep(30)
+        time.sleep(HOG_S)
         assert not [a.index for a in cluster.agents if "declared dead" in a.log()]
         assert {r["attempt"] for r in cluster.records()} == {old_round}  # no restart
         assert len(cluster.records()) > steps_before + 10, "training went on"
