@@ -73,6 +73,8 @@ def encode_request(target: Target) -> bytes:
             "args": list(target.args),
             "env": dict(os.environ),
             "cwd": os.getcwd(),
+            # torchrun's NUMA binding (numactl) or a site's pinning applies to this client.
+            "cpus": sorted(os.sched_getaffinity(0)),
         }
     ).encode()
     return HEADER.pack(len(body)) + body

@@ -201,6 +201,7 @@ class Job:
     env: dict[str, str]
     cwd: str
     streams: list[int]
+    cpus: list[int]
 
 
 def read_request(conn: socket.socket) -> tuple[dict[str, Any], list[int]]:
@@ -282,6 +283,7 @@ class Zygote:
                 dict(request["env"]),
                 str(request["cwd"]),
                 fds,
+                [int(cpu) for cpu in request.get("cpus", [])],
             )
         for fd in fds:
             os.close(fd)
@@ -374,6 +376,9 @@ def become_worker(job: Job, zygote_pid: int, registry: Path) -> None:
         os.dup2(received, fd)
         if received not in STREAMS:
             os.close(received)
+    if job.cpus:
+        with contextlib.suppress(OSError):  # a CPU the zygote may not use: keep its own
+            os.sched_setaffinity(0, job.cpus)
     os.chdir(job.cwd)
     os.environ.clear()
     os.environ.update(job.env)

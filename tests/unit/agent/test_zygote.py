@@ -28,6 +28,7 @@ SCRIPT = textwrap.dedent(
         "argv": sys.argv, "pid": os.getpid(), "cwd": os.getcwd(), "name": __name__,
         "warm": os.environ.get("SLURMFT_WARM_START"), "rank": os.environ.get("RANK"),
         "json_preloaded": "json" in sys.modules, "path0": sys.path[0],
+        "cpus": sorted(os.sched_getaffinity(0)),
     }))
     print("hello out", flush=True)
     print("hello err", file=sys.stderr, flush=True)
@@ -101,6 +102,23 @@ def test_a_warm_worker_runs_the_script_with_the_clients_arguments_environment_an
     assert seen["rank"] == "3"
     assert seen["path0"] == str(script.parent)
     assert seen["pid"] != done.pid
+    assert seen["cpus"] == sorted(os.sched_getaffinity(0))
+
+
+def test_a_warm_worker_runs_on_the_cpus_its_client_was_bound_to(
+    zygote: tuple[subprocess.Popen[bytes], Path], script: Path, tmp_path: Path
+) -> None:
+    """torchrun's NUMA binding wraps the client in numactl: the worker must keep that binding."""
+    _, socket_path = zygote
+    out = tmp_path / "out.json"
+    one = sorted(os.sched_getaffinity(0))[-1]
+    done = client(
+        socket_path, out, str(script), "0", cwd=tmp_path,
+        preexec_fn=lambda: os.sched_setaffinity(0, {one}),
+    )  # fmt: skip
+    done.communicate(timeout=30)
+    seen = json.loads(out.read_text())
+    assert seen["warm"] is not None and seen["cpus"] == [one]
 
 
 def test_a_failing_script_fails_the_client_with_its_traceback(
