@@ -42,8 +42,10 @@ from slurmft.db.states import AttemptState, RunState
 pytestmark = [pytest.mark.slurm, pytest.mark.torch, pytest.mark.serial]
 
 # Each failure is struck late in a checkpoint interval, so that its replay, with its detection
-# and restart, costs over 15 s (the cheapest case this test means to measure).
-CKPT_EVERY, STRIKE_FROM = 40, 30
+# and restart, costs over 15 s (the cheapest case this test means to measure). A node kill
+# recovers in a few seconds (warm workers, the dead-peer detector): the replay is most of it,
+# 42 steps of 0.3 s at least.
+CKPT_EVERY, STRIKE_FROM = 50, 42
 EXAMPLE = [
     "-m", "slurmft.train.examples.tiny", "--ckpt-dir", "{ckpt}", "--out-dir", "{out}",
     "--steps", "320", "--ckpt-every", str(CKPT_EVERY), "--work-ms", "300",
