@@ -52,14 +52,15 @@ def _worker_nodes(run: SubmittedRun) -> set[str]:
 def test_a_node_lost_while_the_daemon_is_down_is_recorded_when_it_is_back(
     cluster: Cluster, daemon: DaemonProcess, tmp_path: Path
 ) -> None:
-    run = submit(cluster, daemon, tmp_path, _steps(400), name="daemon-down")
+    # 700 steps: still training when the daemon is back (a node loss now costs seconds)
+    run = submit(cluster, daemon, tmp_path, _steps(700), name="daemon-down")
     run.wait_training()
     wait_for_value("the allocation stored", lambda: _allocation(run), lambda n: len(n) == 4)
     batch_host = cluster.client.job(run.job_id).batch_host
     victim = sorted(set(run.beating_nodes().values()) - {batch_host})[0]
 
     daemon.kill(signal.SIGTERM)
-    _lose_node_while_the_daemon_is_down(cluster, daemon, run, victim, steps=400)
+    _lose_node_while_the_daemon_is_down(cluster, daemon, run, victim, steps=700)
 
 
 def test_a_node_lost_before_the_daemon_ever_saw_the_job_run_is_recorded_when_it_is_back(
