@@ -32,8 +32,10 @@ from slurmft.db.states import RunState
 log = logging.getLogger(__name__)
 
 SAMPLE_RANKS = 8
-# Earliest signs of an outage, besides its failure reports: a rank that saw its peer fail.
-SIGN_KINDS = (*OUTAGE_KINDS, EventKind.COLLECTIVE_ERROR)
+# Earliest signs of an outage, besides its failure reports: a rank that saw its peer fail, a
+# launcher that declared a silent peer dead.
+PEER_SIGNS = (EventKind.COLLECTIVE_ERROR, EventKind.PEER_DEAD)
+SIGN_KINDS = (*OUTAGE_KINDS, *PEER_SIGNS)
 SIGN_LEAD = timedelta(seconds=60)  # how long before a failure's report a peer may have seen it
 LOOK_BACK = timedelta(minutes=30)  # step completions read before the first unmeasured failure
 GIVE_UP_AFTER = timedelta(days=2)  # a failure still unmeasurable this late is left unmeasured
@@ -247,10 +249,8 @@ def _step_span(session: Session, run: Run) -> None:
         run.last_step_at = end
 
 
-def _late_reports(session: Session, run_id: str, failures: Sequence[Event]) -> list[Event]:
-    """The reports not part of an outage measured already. One that arrived after its outage
-    was measured (an agent's report of the hang it ended, sent with its stacks) falls inside
-    that outage's span, from S to when training was back: it gets 0, counted with it."""
+def _measured_spans(session: Session, run_id: str) -> list[tuple[Event, datetime, datetime]]:
+    """Each measured outage's head and its span, from S to when training was back."""
     heads = session.scalars(
         select(Event).where(
             Event.run_id == run_id, Event.kind.in_(OUTAGE_KINDS), Event.time_lost_s > 0
@@ -262,6 +262,31 @@ def _late_reports(session: Session, run_id: str, failures: Sequence[Event]) -> l
         if isinstance(back, str):
             start = head.occurred_at - timedelta(seconds=head.lost_detection_s or 0.0)
             spans.append((head, start, datetime.fromisoformat(back)))
+    return spans
+
+
+def _unexplained_signs(
+    session: Session, run_id: str, start: datetime, end: datetime
+) -> list[datetime]:
+    """When peers saw trouble in [start, end) that no measured outage's span holds."""
+    spans = _measured_spans(session, run_id)
+    signs = session.scalars(
+        select(Event.occurred_at).where(
+            Event.run_id == run_id,
+            Event.kind.in_(PEER_SIGNS),
+            Event.occurred_at >= start,
+            Event.occurred_at < end,
+            Event.foreign.is_not(True),
+        )
+    ).all()
+    return [at for at in signs if not any(a <= at <= b for _, a, b in spans)]
+
+
+def _late_reports(session: Session, run_id: str, failures: Sequence[Event]) -> list[Event]:
+    """The reports not part of an outage measured already. One that arrived after its outage
+    was measured (an agent's report of the hang it ended, sent with its stacks) falls inside
+    that outage's span, from S to when training was back: it gets 0, counted with it."""
+    spans = _measured_spans(session, run_id)
     left = []
     for event in failures:
         within = next((h for h, a, b in spans if a <= event.occurred_at <= b), None)
@@ -278,12 +303,18 @@ def measure_run(session: Session, run: Run, since: datetime) -> list[Measured]:
     # A peer's word may come before the failure's own report; one before the last step that
     # ended before that report belongs to an earlier trouble, which training got past.
     last_before = max((c.at for c in steps if c.at <= since), default=since - SIGN_LEAD)
+    floor = max(last_before, since - SIGN_LEAD)
+    # Unless that trouble is this report's own: peers' signs no measured outage accounts for,
+    # when training was back before the report came (see _own_late_report).
+    unexplained = _unexplained_signs(session, run.id, since - SIGN_LEAD, floor)
+    if unexplained:
+        floor = min(floor, *unexplained)
     failures = session.scalars(
         select(Event)
         .where(
             Event.run_id == run.id,
             Event.kind.in_(SIGN_KINDS),
-            Event.occurred_at >= max(last_before, since - SIGN_LEAD),
+            Event.occurred_at >= floor,
             Event.foreign.is_not(True),
         )
         .order_by(Event.occurred_at, Event.id)
@@ -303,6 +334,10 @@ def measure_run(session: Session, run: Run, since: datetime) -> list[Measured]:
         # be back, its ranks restarted, before the failure's own report).
         end = max(lost.back_at or first.occurred_at, first.occurred_at)
         group = [e for e in failures[i:] if e.occurred_at <= end]
+        late = _own_late_report(failures[i + len(group) :], first) if all(
+            e.kind in PEER_SIGNS for e in group) else None  # fmt: skip
+        if late is not None:
+            group.append(late)
         i += max(len(group), 1)
         outages = [e for e in group if e.kind in OUTAGE_KINDS]
         if not outages or all(e.time_lost_s is not None for e in outages):
@@ -311,6 +346,21 @@ def measure_run(session: Session, run: Run, since: datetime) -> list[Measured]:
         _store(head, rest, lost)
         stored.append(Measured(head.kind, len(outages), lost))
     return stored
+
+
+def _own_late_report(after: Sequence[Event], first: Event) -> Event | None:
+    """The failure report of an outage its peers saw, that came after training was back: a
+    node loss recovers (spare, warm workers, dead-peer eviction) in seconds, sooner than the
+    daemon confirms the loss. The next report, if it is a failure's, not measured, and within
+    SIGN_LEAD of the first sign, with no other peer's sign before it (which would be a new
+    trouble's)."""
+    for event in after:
+        if event.kind in PEER_SIGNS:
+            return None
+        if event.occurred_at - first.occurred_at > SIGN_LEAD:
+            return None
+        return event if event.time_lost_s is None else None
+    return None
 
 
 def measure_failures(session: Session, now: datetime) -> list[Measured]:

@@ -97,6 +97,34 @@ def test_an_outage_is_measured_once_training_is_back_and_the_views_add_it_up(
     assert (day["day"], day["runs"]) == ("2026-12-01", 1)
 
 
+def test_a_node_loss_the_daemon_confirms_after_training_is_back_costs_what_its_peers_saw(
+    database: Database, seed_run: Callable[..., None]
+) -> None:
+    """A spare, warm workers and the dead-peer eviction bring training back in seconds, before
+    the daemon confirms the loss: the report belongs to the outage its peers saw, not to the
+    training after it (measured alone, it cost nothing)."""
+    seed_run(database, "rq", job_id="8", started_at=_t(-10), created_at=_t(-40))
+    with database.session() as s:
+        s.add_all([*_steps("rq", range(1, 101), 1.0), *_steps("rq", range(96, 141), 104.0)])
+        s.add_all([
+            Event(run_id="rq", kind=EventKind.COLLECTIVE_ERROR, source="agent", rank=3,
+                  occurred_at=_t(100.2), message="peer gone"),
+            Event(run_id="rq", kind=EventKind.PEER_DEAD, source="agent", node="n1",
+                  occurred_at=_t(101.7), message="silent for 1.5 s"),
+            Event(run_id="rq", kind=EventKind.NODE_LOST, node="n2", occurred_at=_t(109),
+                  fault_class=FaultClass.HARDWARE, message="n2 lost", foreign=False),
+        ])  # fmt: skip
+    with database.session() as s:
+        (measured,) = measure_failures(s, _t(200))
+        assert (measured.kind, measured.reports) == (EventKind.NODE_LOST, 1)
+    with database.session() as s:
+        lost = s.query(Event).filter_by(run_id="rq", kind=EventKind.NODE_LOST).one()
+        # S = 100 ended at 100 s, step 101 at 109 s, one step is 1 s: 8 s lost.
+        assert lost.time_lost_s == pytest.approx(8, abs=0.05)
+        assert lost.lost_detection_s == pytest.approx(0.2, abs=0.05)  # the peer's word
+        assert lost.lost_replay_s == pytest.approx(5, abs=0.05)
+
+
 def test_an_outage_not_trained_past_waits_and_a_plain_script_gets_an_estimate(
     database: Database, seed_run: Callable[..., None]
 ) -> None:
