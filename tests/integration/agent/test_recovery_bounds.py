@@ -52,7 +52,9 @@ def test_a_node_sharing_one_core_with_a_cpu_hog_is_not_declared_dead(tmp_path: P
     """One node's agent, torchrun, zygote and worker and a 100 % CPU hog on one core, the other
     nodes on the other, for HOG_S: training goes on in the same round, nobody is declared."""
     first, second = sorted(os.sched_getaffinity(0))[:2]
-    cluster = AgentCluster(tmp_path, 3, ARGS)
+    # Training outlasts the hog: 100 ms steps, however long it runs.
+    steps = str(int(HOG_S * 10 + 300))
+    cluster = AgentCluster(tmp_path, 3, ["--steps", steps, *ARGS[2:]])
     hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
         cluster.start(3)
