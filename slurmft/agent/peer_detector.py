@@ -216,6 +216,10 @@ class PeerDetector(threading.Thread):
     def leave(self) -> None:
         """This launcher ends: its watchers evict it at once, and declare nothing."""
         self.stopped.set()
+        # A poll still in flight could write a counter after `left`: its watchers would then
+        # see the counter stop and declare this node dead.
+        if self.is_alive() and threading.current_thread() is not self:
+            self.join(timeout=2 * self.settings.heartbeat_s + 1.0)
         with contextlib.suppress(Exception):
             self.store.set(self.alive_key(self.me), LEFT)
 
