@@ -154,7 +154,8 @@ class PeerDetector(threading.Thread):
                 self.failing_since = 0.0
             except Exception as error:  # a store error is torch's to act on; keep watching
                 if not self.failing_since:
-                    self.say(f"peer detector: the rendezvous store failed ({error})")
+                    first_line = (str(error).splitlines() or [type(error).__name__])[0]
+                    self.say(f"peer detector: the rendezvous store failed ({first_line})")
                     self.failing_since = started
             self.stopped.wait(max(0.0, self.settings.heartbeat_s - (time.monotonic() - started)))
 
