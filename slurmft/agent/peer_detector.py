@@ -192,9 +192,9 @@ class PeerDetector(threading.Thread):
 
     def evict(self, verdict: Verdict) -> None:
         if verdict.left:
-            # Gone for good: evicted from this node's view only. The list stays as short as
-            # the run's failures (every launcher reads it ten times a second).
-            _evicted.add(verdict.peer)
+            # Gone on purpose: no death, and no eviction either. torch's keep-alive removes it
+            # as before; evicted at once, a node that ended training first restarted the
+            # workers of the nodes still in their last step (a membership change).
             return
         while True:
             raw = self.read_evicted()

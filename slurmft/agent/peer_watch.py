@@ -18,8 +18,9 @@ polls meanwhile, so it declares nobody until it has watched the silence itself. 
 launcher is merely slow (a CPU hog beside it, its workers writing a checkpoint or in a GC pause:
 they are other processes) still writes its counter several times a second.
 
-A peer that wrote LEFT (its launcher ended: training done, or stopped) is evicted at once, and
-is not a death.
+A peer that wrote LEFT (its launcher ended: training done, or stopped) is no death: the
+detector leaves it to torch's keep-alive (evicting it at once restarted the workers of nodes
+still in their last step).
 """
 
 from __future__ import annotations

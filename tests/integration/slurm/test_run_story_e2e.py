@@ -39,10 +39,11 @@ def test_the_commands_tell_a_live_runs_story(
     events = _follower(daemon, events_out, "events", run.run_id, "--follow", "--json")
     logs = _follower(daemon, logs_out, "logs", run.run_id, "--follow")
     try:
+        # The status is the store's, a report interval or two behind the ranks' own log.
         status, _ = wait_for_value(
-            "status to show a checkpoint and three ranks",
+            "status to show a checkpoint, three ranks and step 10",
             lambda: json.loads(slurmft(daemon.env, "status", run.run_id, "--json")),
-            lambda s: s["checkpoint"] is not None and s["world_size"] == 3,
+            lambda s: s["checkpoint"] is not None and s["world_size"] == 3 and s["step"] >= 10,
             timeout_s=60,
         )
         assert status["state"] == "running" and status["step"] >= 10
