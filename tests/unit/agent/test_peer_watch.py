@@ -53,7 +53,7 @@ def test_a_watcher_that_was_itself_frozen_declares_nobody_on_waking() -> None:
     assert [v.peer for v in watch.verdicts(11.0)] == ["b"]
 
 
-def test_a_peer_that_left_is_evicted_at_once_and_is_no_death() -> None:
+def test_a_peer_that_left_is_told_apart_from_a_dead_one() -> None:
     watch = PeerWatch(SETTINGS)
     watch.observe({"b": "3"}, 0.0)
     watch.observe({"b": LEFT}, 0.1)
