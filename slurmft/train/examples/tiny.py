@@ -488,8 +488,12 @@ class TinyRun:
             found = {"action": verdict.action, "samples": list(verdict.samples)}
             self.journal.event("numerical_fault", step=self.step + 1, **found)
             if verdict.action == "stop":
+                # os._exit, as on a collective error: an interpreter exit with the process
+                # group alive let gloo's threads abort the process (SIGABRT, "terminate called
+                # without an active exception") before its exit code, in one run of many.
                 sys.stdout.flush()
-                sys.exit(NUMERICAL_STOP_EXIT_CODE)
+                sys.stderr.flush()
+                os._exit(NUMERICAL_STOP_EXIT_CODE)
             if verdict.action == "skip":  # no update; the batch's samples are passed over
                 self.sampler.advance(self.plan)
                 self.step += 1
