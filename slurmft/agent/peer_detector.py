@@ -193,8 +193,8 @@ class PeerDetector(threading.Thread):
     def evict(self, verdict: Verdict) -> None:
         if verdict.left:
             # Gone on purpose: no death, and no eviction either. torch's keep-alive removes it
-            # as before; evicted at once, a node that ended training first restarted the
-            # workers of the nodes still in their last step (a membership change).
+            # as before; evicted at once, the node that ends training first would change the
+            # membership under the nodes still in their last step (torch restarts on that).
             return
         while True:
             raw = self.read_evicted()

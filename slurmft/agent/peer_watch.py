@@ -19,8 +19,8 @@ launcher is merely slow (a CPU hog beside it, its workers writing a checkpoint o
 they are other processes) still writes its counter several times a second.
 
 A peer that wrote LEFT (its launcher ended: training done, or stopped) is no death: the
-detector leaves it to torch's keep-alive (evicting it at once restarted the workers of nodes
-still in their last step).
+detector leaves it to torch's keep-alive (evicted at once, it would change the membership under
+nodes still in their last step, and torch restarts workers on that).
 """
 
 from __future__ import annotations
