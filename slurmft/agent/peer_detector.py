@@ -53,16 +53,13 @@ from slurmft.agent.peer_watch import (
     encode_dead,
     watched,
 )
-from slurmft.agent.rdzv_fix import fingerprint
+from slurmft.agent.rdzv_fix import check_fingerprints
 from slurmft.core.exits import AgentExit
 from slurmft.train.report import FENCE_FILE_ENV
 
 KNOWN_FINGERPRINTS = {"_BackendRendezvousStateHolder._sanitize": "071461ebc46bd101"}
-REQUIRED_NAMES = (
-    "DynamicRendezvousHandler.next_rendezvous",
-    "_BackendRendezvousStateHolder._sanitize",
-)
-_APPLIED_MARK = "_slurmft_peer_detector"
+# Names read besides the fingerprinted function (whose check finds it missing, too).
+REQUIRED_NAMES = ("DynamicRendezvousHandler.next_rendezvous",)
 LONG_AGO = datetime(1970, 1, 1, tzinfo=UTC)
 
 # Nodes (repr of torch's _NodeDesc) this process treats as expired: torchrun has one detector.
@@ -70,24 +67,14 @@ _evicted: set[str] = set()
 
 
 def check_internals(module: ModuleType) -> list[str]:
-    problems = []
-    for dotted in REQUIRED_NAMES:
-        owner, _, name = dotted.partition(".")
-        if not hasattr(getattr(module, owner, None), name):
-            problems.append(f"{dotted} is missing")
-    for dotted, known in KNOWN_FINGERPRINTS.items():
-        owner, _, name = dotted.partition(".")
-        function = getattr(getattr(module, owner, None), name, None)
-        if function is None:
-            continue
-        try:
-            seen = fingerprint(function)
-        except (OSError, TypeError) as error:
-            problems.append(f"{dotted}: source unavailable ({error})")
-            continue
-        if seen != known:
-            problems.append(f"{dotted} changed (source fingerprint {seen}, expected {known})")
-    return problems
+    """What differs from the torch internals the patch was written and tested against."""
+    missing = [f"{name} is missing" for name in REQUIRED_NAMES if not _has(module, name)]
+    return missing + check_fingerprints(module, KNOWN_FINGERPRINTS)
+
+
+def _has(module: ModuleType, dotted: str) -> bool:
+    owner, _, name = dotted.partition(".")
+    return hasattr(getattr(module, owner, None), name)
 
 
 def _backdate_evicted(state: Any) -> None:
@@ -132,7 +119,6 @@ class PeerDetector(threading.Thread):
         self.say = say
         self.fence = fence
         self.failing_since = 0.0
-        self.declared: set[str] = set()
         self.stopped = threading.Event()
 
     def alive_key(self, node: str) -> str:
@@ -173,7 +159,10 @@ class PeerDetector(threading.Thread):
         peers = watched(self.me, alive, self.settings.successors)
         self.watch.observe(self.read_counters(peers), time.monotonic())
         for verdict in self.watch.verdicts(time.monotonic()):
-            if verdict.peer not in _evicted:
+            # A peer that left is no death, and is not evicted either: torch's keep-alive
+            # removes it as before (evicted at once, the node that ends training first would
+            # change the membership under the nodes still in their last step).
+            if not verdict.left and verdict.peer not in _evicted:
                 self.evict(verdict)
 
     def read_evicted(self) -> bytes:
@@ -191,11 +180,6 @@ class PeerDetector(threading.Thread):
         return found
 
     def evict(self, verdict: Verdict) -> None:
-        if verdict.left:
-            # Gone on purpose: no death, and no eviction either. torch's keep-alive removes it
-            # as before; evicted at once, the node that ends training first would change the
-            # membership under the nodes still in their last step (torch restarts on that).
-            return
         while True:
             raw = self.read_evicted()
             nodes = decode_dead(raw)
@@ -215,7 +199,7 @@ class PeerDetector(threading.Thread):
         )
 
     def leave(self) -> None:
-        """This launcher ends: its watchers evict it at once, and declare nothing."""
+        """This launcher ends: its watchers read `left` and declare nothing."""
         self.stopped.set()
         # A poll still in flight could write a counter after `left`: its watchers would then
         # see the counter stop and declare this node dead.
@@ -277,7 +261,6 @@ def apply(
 
     holder_cls._sanitize = sanitize
     handler_cls.next_rendezvous = next_rendezvous
-    setattr(module, _APPLIED_MARK, True)
 
     def leave() -> None:
         for detector in detectors:

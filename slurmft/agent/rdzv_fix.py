@@ -103,7 +103,17 @@ def check_internals(module: ModuleType) -> list[str]:
             ]
         except Exception as error:  # a changed constructor is a changed internal
             problems.append(f"_RendezvousState() failed: {error}")
-    for name, known in KNOWN_FINGERPRINTS.items():
+    return (
+        problems
+        + check_fingerprints(module, KNOWN_FINGERPRINTS)
+        + check_delay_calls(_module_source(module))
+    )
+
+
+def check_fingerprints(module: ModuleType, known: dict[str, str]) -> list[str]:
+    """What differs from each function's known source fingerprint (dotted name -> hash)."""
+    problems: list[str] = []
+    for name, expected in known.items():
         try:
             seen = fingerprint(_lookup(module, name))
         except AttributeError:
@@ -112,9 +122,9 @@ def check_internals(module: ModuleType) -> list[str]:
         except (OSError, TypeError) as error:
             problems.append(f"{name}: source unavailable ({error})")
             continue
-        if seen != known:
-            problems.append(f"{name} changed (source fingerprint {seen}, expected {known})")
-    return problems + check_delay_calls(_module_source(module))
+        if seen != expected:
+            problems.append(f"{name} changed (source fingerprint {seen}, expected {expected})")
+    return problems
 
 
 def _module_source(module: ModuleType) -> str:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from slurmft.agent import rdzv_fix
+from slurmft.agent import peer_detector, rdzv_fix
 from slurmft.agent.exits import AgentExit
 
 pytestmark = pytest.mark.torch
@@ -255,3 +255,22 @@ def test_the_gate_refuses_the_rendezvous_module_with_one_change(tmp_path: Path) 
     spec.loader.exec_module(module)
     (problem,) = rdzv_fix.check_internals(module)
     assert problem.startswith("_RendezvousJoinOp.__call__ changed (source fingerprint ")
+
+
+def test_the_dead_peer_eviction_gate_knows_this_torch_and_refuses_a_changed_sanitize() -> None:
+    """slurmft.agent.peer_detector backdates keep-alives inside `_sanitize`: a torch whose
+    `_sanitize` differs runs without the detector (torch's keep-alive alone)."""
+    assert peer_detector.check_internals(rdzv_fix.load_module()) == []
+    module = copy_of_torch_module()
+
+    class Holder(module._BackendRendezvousStateHolder):  # type: ignore[name-defined,misc]
+        def _sanitize(self) -> None:  # what a future torch might do instead
+            return None
+
+    module._BackendRendezvousStateHolder = Holder
+    (problem,) = peer_detector.check_internals(module)
+    assert problem.startswith("_BackendRendezvousStateHolder._sanitize changed")
+    del module.DynamicRendezvousHandler
+    assert "DynamicRendezvousHandler.next_rendezvous is missing" in peer_detector.check_internals(
+        module
+    )
