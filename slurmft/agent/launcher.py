@@ -33,7 +33,7 @@ from slurmft.agent import peer_detector, procs, rdzv_fix, rounds
 from slurmft.agent.command import AGENT_SOCKET_ENV, WARM_START_MODULE
 from slurmft.agent.exits import AgentExit
 from slurmft.agent.peer_watch import WatchSettings
-from slurmft.agent.warm_start import ZYGOTE_SOCKET_ENV
+from slurmft.agent.warm_start import ZYGOTE_SOCKET_ENV, survive_rank_signals
 from slurmft.core import torch_support
 from slurmft.train.report import ReportChannel
 
@@ -95,15 +95,6 @@ def die_with_parent() -> None:
     """SIGTERM this process (torchrun) when its agent dies, so torchrun stops its workers: an
     agent killed alone (srun aborting the step, an OOM kill) would otherwise leave them training."""
     procs.die_with_parent(signal.SIGTERM)
-
-
-def survive_rank_signals() -> None:
-    """`scancel --signal=USR1` (and `srun` forwarding) reaches every process of the step under
-    proctrack/linuxproc, torchrun included, whose default action for USR1/USR2 is to die: its
-    workers would then train on as orphans out of Slurm's sight. A Python handler (unlike
-    SIG_IGN) is reset at exec, so the workers still get the default or their own handlers."""
-    for signum in (signal.SIGUSR1, signal.SIGUSR2):
-        signal.signal(signum, lambda *_: None)
 
 
 def succeed_on_graceful_exit(run: Callable[..., Any], success: Callable[[], Any]) -> Any:

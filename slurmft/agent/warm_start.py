@@ -26,6 +26,7 @@ import socket
 import struct
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 ZYGOTE_SOCKET_ENV = "SLURMFT_ZYGOTE_SOCKET"
@@ -52,6 +53,10 @@ class Target:
     def python_argv(self) -> list[str]:
         return ["-m", self.name, *self.args] if self.module else [self.name, *self.args]
 
+    def search_root(self, cwd: str) -> str:
+        """`sys.path[0]` as `python` sets it: the script's folder, or the cwd for `-m`."""
+        return cwd if self.module else str(Path(cwd, self.name).resolve().parent)
+
 
 def parse_target(argv: list[str]) -> Target:
     if argv[:1] == ["-m"] and len(argv) >= 2:
@@ -59,6 +64,26 @@ def parse_target(argv: list[str]) -> Target:
     if not argv or argv[0].startswith("-"):
         raise SystemExit(f"{PREFIX} usage: python -m slurmft.agent.warm_start SCRIPT|-m MODULE ...")
     return Target(argv[0], False, tuple(argv[1:]))
+
+
+def survive_rank_signals() -> None:
+    """`scancel --signal=USR1` (and `srun` forwarding) reaches every process of the step under
+    proctrack/linuxproc (torchrun, the zygote, these clients), whose default action for
+    USR1/USR2 is to die: the workers would then train on as orphans out of Slurm's sight, or
+    lose their client. A Python handler (unlike SIG_IGN) is reset at exec, so the workers still
+    get the default or their own handlers; the worker gets its own copy of the signal."""
+    for signum in (signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(signum, lambda *_: None)
+
+
+def signal_group(pid: int, signum: int) -> None:
+    """Signal a worker's process group (it leads its own session, as under torchrun), or the
+    worker alone when it has none yet; a worker already gone is no error."""
+    try:
+        os.killpg(pid, signum)
+    except (ProcessLookupError, PermissionError):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signum)
 
 
 class Unavailable(Exception):
@@ -93,26 +118,18 @@ class Forwarder:
         self.pending: list[int] = []
         for signum in FORWARDED_SIGNALS:
             signal.signal(signum, self._handle)
-        for signum in (signal.SIGUSR1, signal.SIGUSR2):
-            signal.signal(signum, lambda *_: None)  # the worker gets its own copy
+        survive_rank_signals()
 
     def _handle(self, signum: int, _frame: object) -> None:
         if self.pid:
-            self._send(signum)
+            signal_group(self.pid, signum)
         else:
             self.pending.append(signum)
-
-    def _send(self, signum: int) -> None:
-        try:
-            os.killpg(self.pid, signum)  # the worker leads its own session, as under torchrun
-        except (ProcessLookupError, PermissionError):
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(self.pid, signum)
 
     def started(self, pid: int) -> None:
         self.pid = pid
         for signum in self.pending:
-            self._send(signum)
+            signal_group(pid, signum)
 
 
 def run_forked(
@@ -144,7 +161,7 @@ def run_forked(
     conn.settimeout(None)
     last = replies.readline()
     if not last:  # the zygote died: so does its worker (its parent-death signal); make sure
-        forwarder._send(signal.SIGKILL)
+        signal_group(forwarder.pid, signal.SIGKILL)
         print(f"{PREFIX} the zygote died while worker {forwarder.pid} ran", file=sys.stderr)
         return 1
     return os.waitstatus_to_exitcode(int(json.loads(last)["status"]))

@@ -59,6 +59,8 @@ from slurmft.agent.warm_start import (
     Target,
     parse_target,
     send_reply,
+    signal_group,
+    survive_rank_signals,
 )
 
 PREFIX = "slurmft zygote:"
@@ -213,19 +215,25 @@ def read_request(conn: socket.socket) -> tuple[dict[str, Any], list[int]]:
             raise ConnectionError("request cut short")
         header += more
     (size,) = HEADER.unpack(header)
-    if size > MAX_REQUEST_BYTES or len(fds) != len(STREAMS):
-        for fd in fds:
+    try:
+        if size > MAX_REQUEST_BYTES or len(fds) != len(STREAMS):
+            raise ConnectionError(f"bad request: {size} bytes, {len(fds)} streams")
+        body = bytearray()
+        while len(body) < size:
+            chunk = conn.recv(min(1 << 20, size - len(body)))
+            if not chunk:
+                raise ConnectionError("request cut short")
+            body += chunk
+        return json.loads(body), fds
+    except (OSError, ValueError):
+        close_all(fds)
+        raise
+
+
+def close_all(fds: list[int]) -> None:
+    for fd in fds:
+        with contextlib.suppress(OSError):
             os.close(fd)
-        raise ConnectionError(f"bad request: {size} bytes, {len(fds)} streams")
-    body = bytearray()
-    while len(body) < size:
-        chunk = conn.recv(min(1 << 20, size - len(body)))
-        if not chunk:
-            for fd in fds:
-                os.close(fd)
-            raise ConnectionError("request cut short")
-        body += chunk
-    return json.loads(body), fds
 
 
 class Zygote:
@@ -267,10 +275,22 @@ class Zygote:
             say(f"dropped a request: {error}")
             conn.close()
             return None
+        try:  # read before the fork: a malformed request must not crash a forked child
+            job = Job(
+                Target(str(request["name"]), bool(request["module"]), tuple(request["args"])),
+                {str(k): str(v) for k, v in dict(request["env"]).items()},
+                str(request["cwd"]),
+                fds,
+                [int(cpu) for cpu in request.get("cpus", [])],
+            )
+        except (KeyError, TypeError, ValueError, AttributeError) as error:
+            say(f"dropped a malformed request: {type(error).__name__}: {error}")
+            close_all(fds)
+            conn.close()
+            return None
         changed = changed_since(self.stamps)
         if changed is not None:
-            for fd in fds:
-                os.close(fd)
+            close_all(fds)
             with contextlib.suppress(OSError):
                 send_reply(conn, {"refused": f"{changed} changed since the zygote imported it"})
             conn.close()
@@ -278,20 +298,13 @@ class Zygote:
         pid = os.fork()
         if pid == 0:
             self._close_in_child(conn)
-            return Job(
-                Target(request["name"], bool(request["module"]), tuple(request["args"])),
-                dict(request["env"]),
-                str(request["cwd"]),
-                fds,
-                [int(cpu) for cpu in request.get("cpus", [])],
-            )
-        for fd in fds:
-            os.close(fd)
+            return job
+        close_all(fds)
         self.children[pid] = conn
         try:
             send_reply(conn, {"pid": pid})
         except OSError:
-            self._kill(pid)  # the client is gone already
+            signal_group(pid, signal.SIGKILL)  # the client is gone already
         conn.setblocking(True)
         self.selector.register(conn, selectors.EVENT_READ, pid)
         return None
@@ -314,13 +327,8 @@ class Zygote:
                 return  # clients send nothing after the request; ignore stray bytes
         self.selector.unregister(conn)
         if pid is not None:
-            self._kill(pid)
+            signal_group(pid, signal.SIGKILL)
 
-    def _kill(self, pid: int) -> None:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(pid, signal.SIGKILL)
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(pid, signal.SIGKILL)
 
     def _reap(self) -> None:
         while True:
@@ -386,7 +394,7 @@ def become_worker(job: Job, zygote_pid: int, registry: Path) -> None:
     with contextlib.suppress(OSError):  # an unreadable environment is no reason not to train
         register(registry, dict(os.environ))
     sys.argv = [job.target.name, *job.target.args]  # run_module puts the module's file first
-    sys.path[0] = job.cwd if job.target.module else str(Path(job.target.name).resolve().parent)
+    sys.path[0] = job.target.search_root(job.cwd)
     _fresh_library_state(job.env)
 
 
@@ -458,12 +466,11 @@ def imports_for(target: Target, base: tuple[str, ...]) -> tuple[list[str], list[
 
 def main(argv: list[str] | None = None) -> int:
     die_with_parent(signal.SIGKILL)
-    for signum in (signal.SIGUSR1, signal.SIGUSR2):  # scancel --signal reaches every process
-        signal.signal(signum, lambda *_: None)
+    survive_rank_signals()
     options, target = parse_args(sys.argv[1:] if argv is None else argv)
     # Clients queue on the socket while the imports run.
     listener = listen(options.socket)
-    sys.path.insert(0, os.getcwd() if target.module else str(Path(target.name).resolve().parent))
+    sys.path.insert(0, target.search_root(os.getcwd()))
     names, sources = imports_for(target, tuple(options.imports or BASE_IMPORTS))
     loaded = preload(names)
     if cuda_initialised():

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -17,6 +18,7 @@ from pathlib import Path
 import pytest
 from support.waiting import wait_for
 
+from slurmft.agent.warm_start import HEADER, STREAMS
 from slurmft.agent.zygote import REGISTRY, top_level_imports, warm_environ
 
 SCRIPT = textwrap.dedent(
@@ -257,3 +259,21 @@ def test_a_script_that_imports_nothing_of_slurmft_finds_none_of_it_loaded(
     done.communicate(timeout=30)
     warm, loaded = json.loads(out.read_text())
     assert warm is not None and loaded == []
+
+
+@pytest.mark.parametrize("body", [b'{"name": "x.py"}', b"not json", b'{"name": 1, "module": false, '
+                                  b'"args": 5, "env": [], "cwd": "/"}'])  # fmt: skip
+def test_a_malformed_request_is_dropped_and_the_zygote_serves_the_next(
+    zygote: tuple[subprocess.Popen[bytes], Path], script: Path, tmp_path: Path, body: bytes
+) -> None:
+    process, socket_path = zygote
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as bad:
+        bad.connect(str(socket_path))
+        socket.send_fds(bad, [HEADER.pack(len(body))], list(STREAMS))
+        bad.sendall(body)
+        bad.settimeout(10)
+        assert bad.recv(100) == b""  # closed without a fork
+    out = tmp_path / "out.json"
+    done = client(socket_path, out, str(script), "0", cwd=tmp_path)
+    done.communicate(timeout=30)
+    assert done.returncode == 0 and json.loads(out.read_text())["warm"] == str(process.pid)
