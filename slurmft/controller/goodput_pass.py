@@ -249,7 +249,11 @@ def _step_span(session: Session, run: Run) -> None:
         run.last_step_at = end
 
 
-def _measured_spans(session: Session, run_id: str) -> list[tuple[Event, datetime, datetime]]:
+# A measured outage's head, and when its span began (S) and ended (training back).
+Span = tuple[Event, datetime, datetime]
+
+
+def _measured_spans(session: Session, run_id: str) -> list[Span]:
     """Each measured outage's head and its span, from S to when training was back."""
     heads = session.scalars(
         select(Event).where(
@@ -266,10 +270,9 @@ def _measured_spans(session: Session, run_id: str) -> list[tuple[Event, datetime
 
 
 def _unexplained_signs(
-    session: Session, run_id: str, start: datetime, end: datetime
+    session: Session, run_id: str, spans: Sequence[Span], start: datetime, end: datetime
 ) -> list[datetime]:
     """When peers saw trouble in [start, end) that no measured outage's span holds."""
-    spans = _measured_spans(session, run_id)
     signs = session.scalars(
         select(Event.occurred_at).where(
             Event.run_id == run_id,
@@ -282,11 +285,10 @@ def _unexplained_signs(
     return [at for at in signs if not any(a <= at <= b for _, a, b in spans)]
 
 
-def _late_reports(session: Session, run_id: str, failures: Sequence[Event]) -> list[Event]:
+def _late_reports(failures: Sequence[Event], spans: Sequence[Span]) -> list[Event]:
     """The reports not part of an outage measured already. One that arrived after its outage
     was measured (an agent's report of the hang it ended, sent with its stacks) falls inside
     that outage's span, from S to when training was back: it gets 0, counted with it."""
-    spans = _measured_spans(session, run_id)
     left = []
     for event in failures:
         within = next((h for h, a, b in spans if a <= event.occurred_at <= b), None)
@@ -306,7 +308,8 @@ def measure_run(session: Session, run: Run, since: datetime) -> list[Measured]:
     floor = max(last_before, since - SIGN_LEAD)
     # Unless that trouble is this report's own: peers' signs no measured outage accounts for,
     # when training was back before the report came (see _own_late_report).
-    unexplained = _unexplained_signs(session, run.id, since - SIGN_LEAD, floor)
+    spans = _measured_spans(session, run.id)
+    unexplained = _unexplained_signs(session, run.id, spans, since - SIGN_LEAD, floor)
     if unexplained:
         floor = min(floor, *unexplained)
     failures = session.scalars(
@@ -322,7 +325,7 @@ def measure_run(session: Session, run: Run, since: datetime) -> list[Measured]:
     attempts = session.scalars(
         select(Attempt).where(Attempt.run_id == run.id).order_by(Attempt.number)
     ).all()
-    failures = _late_reports(session, run.id, failures)
+    failures = _late_reports(failures, spans)
     stored: list[Measured] = []
     i = 0
     while i < len(failures):
@@ -354,13 +357,12 @@ def _own_late_report(after: Sequence[Event], first: Event) -> Event | None:
     daemon confirms the loss. The next report, if it is a failure's, not measured, and within
     SIGN_LEAD of the first sign, with no other peer's sign before it (which would be a new
     trouble's)."""
-    for event in after:
-        if event.kind in PEER_SIGNS:
-            return None
-        if event.occurred_at - first.occurred_at > SIGN_LEAD:
-            return None
-        return event if event.time_lost_s is None else None
-    return None
+    if not after:
+        return None
+    event = after[0]
+    if event.kind in PEER_SIGNS or event.occurred_at - first.occurred_at > SIGN_LEAD:
+        return None
+    return event if event.time_lost_s is None else None
 
 
 def measure_failures(session: Session, now: datetime) -> list[Measured]:

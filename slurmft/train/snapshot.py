@@ -1,7 +1,7 @@
 """In-memory snapshots: the training state every K steps in node-local memory (tmpfs), so a restart
 replays at most K - 1 steps instead of everything since the last durable checkpoint.
 
-    snapshots = MemorySnapshots(channel)                 # $SLURMFT_SNAPSHOT_DIR, or off
+    snapshots = MemorySnapshots()                        # $SLURMFT_SNAPSHOT_DIR, or off
     found = snapshots.restore(durable_step)              # collective, at start
     ...
     snapshots.after_step(step, state_fn, resume_fn)      # collective every K steps
@@ -47,7 +47,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from slurmft.train.report import SNAPSHOT_DIR_ENV, ReportChannel
+from slurmft.train.report import SNAPSHOT_DIR_ENV
 from slurmft.train.rng import capture_rng_state
 
 BUDGET = 0.03
@@ -154,7 +154,6 @@ def snapshot_every(snapshot_s: float, step_s: float, budget: float = BUDGET) -> 
 class MemorySnapshots:
     def __init__(
         self,
-        channel: ReportChannel | None = None,
         folder: str | None = None,
         every: int = 0,  # 0: chosen from the measured cost
         budget: float = BUDGET,
@@ -165,7 +164,6 @@ class MemorySnapshots:
             raise ValueError("in-memory snapshots need state replicated on every node (DDP)")
         self.enabled = bool(path) and dist.is_initialized()
         self.folder = SnapshotFolder(Path(path)) if path else None
-        self.channel = channel
         self.fixed_every = every
         self.every = every or 1
         self.budget = budget

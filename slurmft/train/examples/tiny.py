@@ -285,7 +285,6 @@ class TinyRun:
         if args.snapshots:
             folder = args.snapshot_dir
             self.snapshots = MemorySnapshots(
-                channel,
                 folder=None if folder is None else folder.replace("{rank}", str(self.rank)),
                 every=args.snapshot_every,
             )
