@@ -75,7 +75,17 @@ def _lose_a_node(cluster: Cluster, run: SubmittedRun, lost: list[str]) -> str:
     """Kill an active node other than the batch host; returns how the run is to recover."""
     job = cluster.client.job(run.job_id)
     held = [n for n in job.nodes if n not in lost]
-    active = sorted(set(run.beating_nodes().values()) - {job.batch_host} - set(lost))
+    # Every rank's newest heartbeat from a node the job holds now: after a requeue a rank's row
+    # names its node of the last attempt until the new attempt's first beat is stored, and that
+    # may come after its first checkpoint (seen on a loaded machine: a node no longer in the job
+    # was "killed", and its loss was never recorded).
+    beating, _ = wait_for_value(
+        f"every rank beating from the job's nodes {held}",
+        run.beating_nodes,
+        lambda ranks: len(ranks) == NODES and set(ranks.values()) <= set(held),
+        timeout_s=60,
+    )
+    active = sorted(set(beating.values()) - {job.batch_host})
     assert active, f"no active node to kill besides the batch host {job.batch_host}: {held}"
     victim = active[0]
     cluster.kill_node(victim)
