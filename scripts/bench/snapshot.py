@@ -4,9 +4,14 @@
 For each size (parameters + Adam's two moments, fp32: 12 bytes a parameter), one process (gloo,
 world size 1) trains an MLP of that many parameters on the CPU and measures:
 - the step time (forward, backward, Adam step; median of 5);
-- a snapshot (`MemorySnapshots.save`: gather the RNG states, `torch.save`, sha256, write and
-  rename in tmpfs), first call and median of 3 after;
-- the K the code picks (`snapshot_every`, 3 % budget) and the overhead per step at that K.
+- a snapshot on its own (`MemorySnapshots.save`, then `flush`): the loop's wait (the copy into
+  host buffers and the gather's start), first call and steady, and the time until it is
+  written (serialize, sha256, write and rename in tmpfs, in the background);
+- then the training loop itself with snapshots at the K the code picks (`after_step`, 3 %
+  budget), until K is settled and 3 snapshots were taken at it: the K, the loop's wait per
+  snapshot, and the overhead per step (the waits over the steps' own time); also the step time
+  during the loop against the step time without snapshots (the background write shares the
+  CPU here; on a GPU it shares nothing with the training stream).
 Then two processes measure the restore's broadcast of a snapshot from one rank to the other
 (the way a spare receives it): bytes a second.
 
@@ -30,7 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from slurmft.train.snapshot import MemorySnapshots, snapshot_every
+from slurmft.train.snapshot import MemorySnapshots
 
 BYTES_PER_PARAMETER = 12  # fp32 weights + Adam's exp_avg and exp_avg_sq
 WIDTH = 512  # 0.26 M parameters a layer: 3 MB of state
@@ -52,32 +57,50 @@ def measure_size(size_mb: int, folder: Path) -> dict[str, float]:
     model = model_of(size_mb)
     optimizer = torch.optim.Adam(model.parameters())
     batch = torch.randn(32, WIDTH)
-    step_times = []
-    for _ in range(6):
+
+    def step() -> float:
         started = time.perf_counter()
         optimizer.zero_grad()
         model(batch).square().mean().backward()
         optimizer.step()
-        step_times.append(time.perf_counter() - started)
-    step_s = statistics.median(step_times[1:])
+        return time.perf_counter() - started
+
+    def state() -> dict:
+        return {"model": model.state_dict(), "optim": optimizer.state_dict()}
+
+    step_s = statistics.median([step() for _ in range(6)][1:])
     state_bytes = sum(p.numel() * 4 for p in model.parameters()) * 3
-    snapshots = MemorySnapshots(folder=str(folder), every=1)
-    costs = []
-    for step in range(1, 5):
+    alone = MemorySnapshots(folder=str(folder / "alone"), every=1)
+    waits, written = [], []
+    for n in range(1, 5):
         started = time.perf_counter()
-        snapshots.save(step, {"model": model.state_dict(), "optim": optimizer.state_dict()},
-                       {"global_step": step})  # fmt: skip
-        costs.append(time.perf_counter() - started)
-    cost_s = statistics.median(costs[1:])
-    every = snapshot_every(cost_s, step_s)
+        alone.save(n, state(), {"global_step": n})
+        waits.append(time.perf_counter() - started)
+        alone.flush()
+        written.append(time.perf_counter() - started)
+    loop = MemorySnapshots(folder=str(folder / "loop"))
+    loop_steps, loop_waits, ks = [], [], []
+    for n in range(1, 2000):
+        loop_steps.append(step())
+        if loop.after_step(n, state, lambda: {"global_step": n}):  # noqa: B023
+            loop_waits.append(loop.last_cost_s)
+            ks.append(loop.every)
+            if len(ks) >= 5 and len(set(ks[-3:])) == 1:
+                break
+    loop.flush()
+    every = ks[-1]
+    loop_wait_s = statistics.median(loop_waits[-3:])
     return {
         "state_mb": state_bytes / 2**20,
         "step_s": step_s,
-        "first_s": costs[0],
-        "cost_s": cost_s,
+        "first_wait_s": waits[0],
+        "wait_s": statistics.median(waits[1:]),
+        "written_s": statistics.median(written[1:]),
         "every": every,
-        "overhead_pct": 100 * cost_s / every / step_s,
-        "write_mb_s": state_bytes / 2**20 / cost_s,
+        "loop_wait_s": loop_wait_s,
+        "loop_step_s": statistics.median(loop_steps[-3 * every :]),
+        "overhead_pct": 100 * loop_wait_s / every / step_s,
+        "write_mb_s": state_bytes / 2**20 / statistics.median(written[1:]),
     }
 
 
@@ -113,9 +136,11 @@ def main() -> None:
             r = measure_size(size_mb, folder)
         finally:
             shutil.rmtree(folder, ignore_errors=True)
-        print(f"state {r['state_mb']:.0f} MB: step {r['step_s']:.3f} s, snapshot first "
-              f"{r['first_s']:.3f} s then {r['cost_s']:.3f} s ({r['write_mb_s']:.0f} MB/s), "
-              f"K={r['every']:g}, overhead {r['overhead_pct']:.2f} % of step time", flush=True)
+        print(f"state {r['state_mb']:.0f} MB: step {r['step_s']:.3f} s; a snapshot alone: the "
+              f"loop waits {r['first_wait_s']:.3f} s first, then {r['wait_s']:.3f} s, written "
+              f"after {r['written_s']:.3f} s ({r['write_mb_s']:.0f} MB/s); in the loop: K="
+              f"{r['every']:g}, wait {r['loop_wait_s']:.3f} s, overhead {r['overhead_pct']:.2f} "
+              f"% of step time, step {r['loop_step_s']:.3f} s", flush=True)
         fields.append(f"overhead_pct_{size_mb}mb={r['overhead_pct']:.2f}")
     dist.destroy_process_group()
     with mp.Manager() as manager:

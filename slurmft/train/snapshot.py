@@ -22,8 +22,18 @@ and every rank loads it with its own RNG state. A snapshot that is missing, torn
 every node falls back to the durable checkpoint, and the reason is returned (and journaled by
 the caller). Durable checkpoints stay the only progress: a snapshot is never reported as one.
 
-K is chosen from the measured cost: after each snapshot, K is the smallest number of steps
-whose time the snapshot costs at most `budget` (3 %) of, given the median step time.
+The training loop waits only for a copy: the state's tensors go into host buffers allocated at
+the first snapshot and reused (pinned when the state is on a GPU: the copy is queued on the
+training stream and the loop goes on), the RNG states are gathered by an asynchronous
+collective, and a background thread waits for both, serializes, hashes and writes. The next
+snapshot first waits for that write, so a write slower than K steps shows up in the cost. A
+worker killed in the middle of a write leaves a partial file that is never read: the snapshot
+before it serves.
+
+K is chosen from the measured cost (the time the loop waited): at each snapshot, K is the
+smallest number of steps whose time the previous snapshots cost at most `budget` (3 %) of,
+given the median step time, from numbers every rank shares (the previous gather), so every
+rank picks the same K.
 
 The folder is the agent's (`$SLURMFT_SNAPSHOT_DIR`, a tmpfs folder it creates and removes at
 its end): the agent handles the files as bytes and never imports torch.
@@ -31,14 +41,18 @@ its end): the agent handles the files as bytes and never imports torch.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import io
 import json
+import logging
 import math
 import os
 import statistics
+import struct
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,9 +64,16 @@ import torch.distributed as dist
 from slurmft.train.report import SNAPSHOT_DIR_ENV
 from slurmft.train.rng import capture_rng_state
 
+log = logging.getLogger(__name__)
+
 BUDGET = 0.03
 KEEP = 2
 SCHEMA = 1
+# Each rank's gathered record (RNG state and costs, JSON) travels in a fixed-size slot: its
+# length first, then the bytes. The slot is sized at the first snapshot (every rank agrees on
+# it through one object gather) with room to spare: the JSON of an RNG state barely varies.
+_LENGTH = struct.Struct("<q")
+_SLOT_ROOM = 2
 
 
 @dataclass(frozen=True)
@@ -151,6 +172,82 @@ def snapshot_every(snapshot_s: float, step_s: float, budget: float = BUDGET) -> 
     return max(1, math.ceil(snapshot_s / (budget * step_s)))
 
 
+class HostCopy:
+    """Host copies of a state's tensors, allocated at the first copy and reused while shapes
+    and dtypes stay; pinned when the tensor is on a GPU, so the copy is queued on the training
+    stream without the loop waiting for it (`ready` waits)."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, torch.Tensor] = {}
+        self._copied: Any = None
+
+    def copy(self, state: Any) -> Callable[[], Any]:
+        """Start copying ``state``; returns what waits for the copy and gives it."""
+        on_gpu: list[bool] = []
+        copied = self._copy(state, "", on_gpu)
+        done = None
+        if any(on_gpu):
+            done = torch.cuda.Event()
+            done.record()
+
+        def ready() -> Any:
+            if done is not None:
+                done.synchronize()
+            return copied
+
+        return ready
+
+    def _copy(self, value: Any, path: str, on_gpu: list[bool]) -> Any:
+        if isinstance(value, torch.Tensor):
+            held = self._buffers.get(path)
+            if held is None or held.shape != value.shape or held.dtype != value.dtype:
+                held = torch.empty(
+                    value.shape, dtype=value.dtype, device="cpu", pin_memory=value.is_cuda
+                )
+                self._buffers[path] = held
+            held.copy_(value.detach(), non_blocking=value.is_cuda)
+            on_gpu.append(value.is_cuda)
+            return held
+        if type(value) is dict:
+            return {key: self._copy(item, f"{path}/{key}", on_gpu) for key, item in value.items()}
+        if type(value) in (list, tuple):
+            items = (self._copy(item, f"{path}/{i}", on_gpu) for i, item in enumerate(value))
+            return type(value)(items)
+        return copy.deepcopy(value)
+
+
+class _Gather:
+    """One asynchronous gather of every rank's record (RNG state and costs) in fixed slots."""
+
+    def __init__(self, record: dict[str, Any], slot: int, device: torch.device):
+        data = json.dumps(record).encode()
+        fits = _LENGTH.size + len(data) <= slot
+        mine = torch.zeros(slot, dtype=torch.uint8)
+        mine[: _LENGTH.size] = torch.frombuffer(
+            bytearray(_LENGTH.pack(len(data) if fits else -1)), dtype=torch.uint8
+        )
+        if fits:
+            mine[_LENGTH.size : _LENGTH.size + len(data)] = torch.frombuffer(
+                bytearray(data), dtype=torch.uint8
+            )
+        mine = mine.to(device)
+        self.slots = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+        self.work = dist.all_gather(self.slots, mine, async_op=True)
+
+    def records(self) -> list[dict[str, Any] | None]:
+        """Every rank's record (None: it did not fit its slot). Waits for the gather."""
+        assert self.work is not None
+        self.work.wait()
+        found: list[dict[str, Any] | None] = []
+        for slot in self.slots:
+            raw = slot.cpu().numpy().tobytes()
+            (length,) = _LENGTH.unpack_from(raw)
+            found.append(
+                None if length < 0 else json.loads(raw[_LENGTH.size : _LENGTH.size + length])
+            )
+        return found
+
+
 class MemorySnapshots:
     def __init__(
         self,
@@ -169,9 +266,17 @@ class MemorySnapshots:
         self.budget = budget
         self.rank = dist.get_rank() if self.enabled else 0
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        self.writes = self.enabled and self.local_rank == 0 and self.folder is not None
         self.step_times: list[float] = []
         self.last_step_at: float | None = None
         self.last_cost_s = 0.0
+        self.last_error = ""  # why the last write failed ("" if it did not)
+        self._slot = 0
+        self._host = HostCopy()
+        self._pending_gather: _Gather | None = None
+        self._pending_write: Future[None] | None = None
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="slurmft-snapshot") if (
+            self.writes) else None  # fmt: skip
 
     # -- saving ----------------------------------------------------------------------------
     def after_step(
@@ -182,7 +287,7 @@ class MemorySnapshots:
         during: Callable[[], AbstractContextManager[Any]] = nullcontext,
     ) -> bool:
         """Collective on snapshot steps (every rank calls it after every step); `during` wraps
-        the snapshot (a heartbeat phase). True when a snapshot was taken."""
+        the wait (a heartbeat phase). True when a snapshot was started."""
         now = time.monotonic()
         if self.last_step_at is not None:
             self.step_times = [*self.step_times[-49:], now - self.last_step_at]
@@ -197,21 +302,77 @@ class MemorySnapshots:
         return True
 
     def save(self, step: int, state: dict[str, Any], resume: dict[str, Any]) -> None:
-        """Collective: every rank's RNG state, and the costs K is chosen from, gathered (so
-        every rank picks the same K: a rank on its own K would skip a collective)."""
+        """Collective: waits for the previous snapshot, takes K from what the previous gather
+        shared, then starts this one: the copy, the gather of every rank's RNG state and
+        costs, and (one rank per node) the write in the background."""
+        self.flush()
+        previous, self._pending_gather = self._pending_gather, None
+        if previous is not None and not self.fixed_every:
+            self.every = self._every_from(previous.records())
         step_s = statistics.median(self.step_times) if self.step_times else 0.0
-        gathered: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, (capture_rng_state(), self.last_cost_s, step_s))
-        rngs = [rng for rng, _, _ in gathered]
-        if not self.fixed_every:
-            cost_s = max(cost for _, cost, _ in gathered)  # the slowest writer's last snapshot
-            self.every = snapshot_every(cost_s, max(s for _, _, s in gathered), self.budget)
-        if self.local_rank != 0 or self.folder is None:
+        record = {"rng": capture_rng_state(), "cost_s": self.last_cost_s, "step_s": step_s}
+        if not self._slot:
+            self._slot = self._agree_on_slot(record)
+        gather = _Gather(record, self._slot, self._device())
+        self._pending_gather = gather
+        if not self.writes:
+            return
+        copied = self._host.copy(state)
+        assert self._writer is not None
+        self._pending_write = self._writer.submit(
+            self._write, step, copied, copy.deepcopy(resume), gather, dist.get_world_size()
+        )
+
+    def flush(self) -> None:
+        """Wait for the snapshot being written (a fault injected after a step, a clean end)."""
+        pending, self._pending_write = self._pending_write, None
+        if pending is not None:
+            pending.result()
+
+    def _write(
+        self, step: int, copied: Callable[[], Any], resume: dict[str, Any], gather: _Gather,
+        world_size: int,
+    ) -> None:  # fmt: skip
+        """In the background: every rank's RNG state, the copy, serialized, hashed, written."""
+        assert self.folder is not None
+        records = gather.records()
+        if any(record is None for record in records):
+            self.last_error = f"snapshot of step {step} not written: an RNG state outgrew its slot"
+            log.warning(self.last_error)
             return
         buffer = io.BytesIO()
-        torch.save(state, buffer)
-        manifest = {"resume": resume, "rng": rngs, "world_size": dist.get_world_size()}
-        self.folder.write(step, buffer.getvalue(), manifest)
+        torch.save(copied(), buffer)
+        manifest = {
+            "resume": resume,
+            "rng": [record["rng"] for record in records if record is not None],
+            "world_size": world_size,
+        }
+        try:
+            self.folder.write(step, buffer.getvalue(), manifest)
+        except OSError as error:  # a full tmpfs: training goes on, the durable checkpoint serves
+            self.last_error = f"snapshot of step {step} not written: {error}"
+            log.warning(self.last_error)
+        else:
+            self.last_error = ""
+
+    def _every_from(self, records: list[dict[str, Any] | None]) -> int:
+        known = [record for record in records if record is not None]
+        if len(known) != len(records):
+            return self.every
+        cost_s = max(record["cost_s"] for record in known)  # the slowest rank's wait
+        return snapshot_every(cost_s, max(record["step_s"] for record in known), self.budget)
+
+    def _agree_on_slot(self, record: dict[str, Any]) -> int:
+        sizes: list[int] = [0] * dist.get_world_size()
+        dist.all_gather_object(sizes, len(json.dumps(record).encode()))
+        return _LENGTH.size + _SLOT_ROOM * max(sizes)
+
+    @staticmethod
+    def _device() -> torch.device:
+        # NCCL moves device memory only; gloo host memory.
+        if dist.get_backend() == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
 
     # -- restoring -------------------------------------------------------------------------
     def restore(self, durable_step: int | None) -> tuple[Outcome, dict[str, Any] | None]:
@@ -251,9 +412,7 @@ class MemorySnapshots:
             header = [(held[1], len(held[2]))]
         dist.broadcast_object_list(header, src=source)
         manifest, size = header[0]
-        # NCCL moves device memory only; gloo host memory.
-        device = torch.device("cuda", torch.cuda.current_device()) if (
-            dist.get_backend() == "nccl") else torch.device("cpu")  # fmt: skip
+        device = self._device()
         if held is not None:
             data = torch.frombuffer(bytearray(held[2]), dtype=torch.uint8).to(device)
         else:

@@ -567,6 +567,10 @@ class TinyRun:
             if self.args.eval_every and self.step % self.args.eval_every == 0:
                 self.evaluate(heartbeat)
             if fault_due(self.args.crash_at_step, self.step, self.rank, self.args.fault_rank):
+                if self.snapshots is not None:
+                    # The injected crash comes after the last snapshot is stored (a crash in
+                    # the middle of its write leaves a partial file, and the one before serves).
+                    self.snapshots.flush()
                 if self.args.corrupt_snapshots_at_crash:
                     self.corrupt_snapshots()
                 kill_self()

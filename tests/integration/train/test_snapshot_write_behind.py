@@ -1,0 +1,134 @@
+"""In-memory snapshots are written behind the training loop (slurmft.train.snapshot): the loop
+waits for a copy only, so what is written is the state at the snapshot's step even though the
+loop changed it meanwhile; K follows the measured wait; a record that outgrows its slot or a
+write that fails costs that snapshot, never the training. One process, gloo."""
+
+from __future__ import annotations
+
+import io
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.torch
+
+
+@pytest.fixture
+def world_of_one(tmp_path: Path) -> Iterator[None]:
+    import torch.distributed as dist
+
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def written(folder: Path, step: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    import torch
+
+    from slurmft.train.snapshot import SnapshotFolder
+
+    manifest, payload = SnapshotFolder(folder).read(step)
+    return manifest, torch.load(io.BytesIO(payload), weights_only=True)
+
+
+def test_the_written_snapshot_is_the_state_at_its_step_not_the_state_after_it(
+    tmp_path: Path, world_of_one: None
+) -> None:
+    import torch
+
+    from slurmft.train.snapshot import MemorySnapshots
+
+    weights = torch.zeros(256, 256)
+    snapshots = MemorySnapshots(str(tmp_path / "shm"), every=1)
+    for step in (1, 2, 3):
+        weights.fill_(step)
+        resume = {"step": step}
+        snapshots.after_step(step, lambda: {"model": {"w": weights}}, lambda: resume)  # noqa: B023
+        weights.fill_(-1.0)  # the next step changes the state while the write goes on
+    snapshots.flush()
+    for step in (2, 3):  # two kept
+        manifest, state = written(tmp_path / "shm", step)
+        assert bool((state["model"]["w"] == step).all())
+        assert manifest["resume"] == {"step": step}
+        assert len(manifest["rng"]) == 1 and set(manifest["rng"][0]) >= {"python", "torch_cpu"}
+    assert snapshots.last_error == ""
+
+
+def test_host_buffers_are_reused_while_shapes_stay() -> None:
+    import torch
+
+    from slurmft.train.snapshot import HostCopy
+
+    host = HostCopy()
+    first = host.copy({"w": torch.ones(3), "groups": [{"lr": 0.1}]})()
+    again = host.copy({"w": torch.full((3,), 2.0), "groups": [{"lr": 0.2}]})()
+    assert again["w"] is first["w"] and again["w"].tolist() == [2.0, 2.0, 2.0]
+    assert again["groups"] == [{"lr": 0.2}]
+    grown = host.copy({"w": torch.ones(4)})()
+    assert grown["w"] is not first["w"] and grown["w"].shape == (4,)
+
+
+def test_k_follows_the_measured_wait(tmp_path: Path, world_of_one: None) -> None:
+    import torch
+
+    from slurmft.train.snapshot import MemorySnapshots
+
+    def slow_state() -> dict[str, Any]:
+        time.sleep(0.05)  # a copy that blocks the loop for 50 ms
+        return {"w": torch.ones(2)}
+
+    snapshots = MemorySnapshots(str(tmp_path / "shm"))
+    assert snapshots.every == 1
+    step = 0
+    while step < 6:
+        step += 1
+        time.sleep(0.01)  # 10 ms steps: 50 ms is 5 steps' time, far over 3 %
+        snapshots.after_step(step, slow_state, dict)
+    # The first snapshots' wait is shared at the next one: K is then well past 100.
+    assert snapshots.every > 100, snapshots.every
+    snapshots.flush()
+
+
+def test_a_record_that_outgrows_its_slot_costs_that_snapshot_only(
+    tmp_path: Path, world_of_one: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import torch
+
+    from slurmft.train import snapshot
+
+    snapshots = snapshot.MemorySnapshots(str(tmp_path / "shm"), every=1)
+    snapshots.after_step(1, lambda: {"w": torch.ones(2)}, dict)
+    snapshots.flush()
+    real = snapshot.capture_rng_state
+    monkeypatch.setattr(snapshot, "capture_rng_state", lambda: {**real(), "pad": "x" * 100_000})
+    snapshots.after_step(2, lambda: {"w": torch.ones(2)}, dict)
+    snapshots.flush()
+    assert "outgrew its slot" in snapshots.last_error
+    assert snapshot.SnapshotFolder(tmp_path / "shm").steps() == [1]
+    monkeypatch.setattr(snapshot, "capture_rng_state", real)
+    snapshots.after_step(3, lambda: {"w": torch.ones(2)}, dict)
+    snapshots.flush()
+    assert snapshots.last_error == ""
+    assert snapshot.SnapshotFolder(tmp_path / "shm").steps() == [3, 1]
+
+
+def test_a_failed_write_is_reported_and_training_goes_on(
+    tmp_path: Path, world_of_one: None
+) -> None:
+    import torch
+
+    from slurmft.train.snapshot import MemorySnapshots
+
+    blocked = tmp_path / "shm"
+    blocked.write_text("a file where the folder should be")
+    snapshots = MemorySnapshots(str(blocked), every=1)
+    assert snapshots.after_step(1, lambda: {"w": torch.ones(2)}, dict)
+    snapshots.flush()
+    assert "snapshot of step 1 not written" in snapshots.last_error
+    assert snapshots.after_step(2, lambda: {"w": torch.ones(2)}, dict)
