@@ -13,7 +13,6 @@ import contextlib
 import dataclasses
 import logging
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -34,6 +33,7 @@ from slurmft.agent.probe import NoGpuProbe, Probe
 from slurmft.agent.procs import is_alive, kill_tree
 from slurmft.agent.reporter import HttpTransport, Reporter, RetryableError
 from slurmft.agent.sightings import SightingLog
+from slurmft.agent.snapshot_dirs import HeldSnapshotDir, SnapshotDirBusy, sweep_orphans
 from slurmft.config import AgentSection, GpuSection
 from slurmft.core.budget import Seen, named_round, round_key
 from slurmft.core.exits import StepOutcome
@@ -162,6 +162,7 @@ class NodeAgent:
         # What the batch step counts the restart budget from while the daemon is away.
         self.sightings = SightingLog(settings.step_dir, settings.node)
         self._stop = threading.Event()
+        self.snapshots: HeldSnapshotDir | None = None  # the node's snapshot folder, once held
 
     # -- reports ---------------------------------------------------------------------------------
     def event(
@@ -261,7 +262,7 @@ class NodeAgent:
     def run(self) -> AgentExit:
         ensure_dir(self.settings.work_dir)
         ensure_dir(self.settings.stacks_dir)
-        ensure_dir(self.settings.snapshot_dir)
+        self.snapshots = self._hold_snapshot_dir()
         if self.reporter is not None:
             self.reporter.start()
         try:
@@ -273,9 +274,24 @@ class NodeAgent:
             finally:
                 channel.close()
         finally:
-            shutil.rmtree(self.settings.snapshot_dir, ignore_errors=True)
+            if self.snapshots is not None:
+                self.snapshots.release()
             if self.reporter is not None:
                 self.reporter.stop(flush_timeout_s=5.0)
+
+    def _hold_snapshot_dir(self) -> HeldSnapshotDir | None:
+        """The node's snapshot folder, held for the agent's life; first the folders of this
+        user's agents that died without removing theirs go (they hold RAM until a reboot)."""
+        path = self.settings.snapshot_dir
+        for orphan in sweep_orphans(path.parent, os.getuid(), keep=path):
+            log.info("removed %s: its agent is gone", orphan)
+        held = HeldSnapshotDir(path)
+        try:
+            held.acquire()
+        except (SnapshotDirBusy, OSError) as error:
+            log.warning("no in-memory snapshots on this node: %s", error)
+            return None
+        return held
 
     def _run_torchrun(self, channel: RankChannelServer) -> AgentExit:
         settings = self.settings
@@ -284,7 +300,7 @@ class NodeAgent:
             agent_socket=str(settings.socket_path),
             stacks_dir=str(settings.stacks_dir),
             save_request_file=str(settings.save_request_file),
-            snapshot_dir=str(settings.snapshot_dir),
+            snapshot_dir=str(self.snapshots.path) if self.snapshots is not None else "",
         )
         spec = dataclasses.replace(settings.spec, worker_log_dir=str(settings.worker_log_dir))
         argv = launcher_argv(spec, settings.python)
