@@ -1,9 +1,21 @@
 #!/usr/bin/env python3
-"""Recovery time with a hot spare: a node lost -> first completed step at the same world size.
+"""Recovery time: a node lost -> first completed step at the full world size again.
 
-Each run starts a standalone store and 3 + 1 `slurmft agent run` on localhost (gloo, the example
-training script), waits for step 8, then loses one training node, and times the first step that
-completes afterwards (world size 3 again: the spare joined). Two ways to lose it:
+By default (`--on slurm`, as root) on a local Slurm cluster of its own under the daemon, through
+`slurmft submit`: spare, requeue and freeze runs alternating (scripts/bench/recovery_slurm.py
+says how each is measured), with the breakdown the store records. The last line is
+
+    recovery spare_median_s=.. requeue_median_s=.. ratio=.. replayed_steps_median=..
+    freeze_detect_median_s=.. freeze_median_s=..
+
+`ratio` is the spare median over the requeue median measured at the parent commit of the
+recovery work (recovery-baseline.json, written by `--code REV --write-baseline`).
+
+    .venv/bin/python scripts/bench/recovery.py [--runs 5] [--mode spare,requeue,freeze]
+    .venv/bin/python scripts/bench/recovery.py --code d91428d --write-baseline
+
+`--on localhost` runs 3 + 1 `slurmft agent run` by hand instead (a standalone store, no Slurm,
+no daemon; quicker to iterate on): each run waits for step 8, then loses one training node:
 - kill: SIGKILL of the node's agent, torchrun, zygote and workers (the kernel closes their
   sockets, so the survivors' workers fail at once);
 - freeze: SIGSTOP of all of them, as a hung node or a lost network sends nothing; its detection
@@ -12,23 +24,16 @@ completes afterwards (world size 3 again: the spare joined). Two ways to lose it
 Steps are timestamped as rank 0 appends them to losses.jsonl, polled every 10 ms; replayed steps
 are those trained again after the recovery (the last step before the loss minus the first step
 after it, plus one).
-
-    .venv/bin/python scripts/bench/recovery.py [--runs 5] [--mode kill|freeze|both]
-
-The last line is `recovery spare_median_s=.. replayed_steps_median=.. freeze_detect_median_s=..
-freeze_median_s=..` (the modes run).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import signal
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,46 +43,13 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(REPO / "tests" / "integration" / "agent"), str(REPO / "tests")]
 
 from agent_cluster import AgentCluster  # noqa: E402
+from step_clock import StepClock  # noqa: E402
 
 from slurmft.agent.exits import AgentExit  # noqa: E402
 from slurmft.agent.procs import descendants, signal_pids  # noqa: E402
 
 ARGS = ["--steps", "400", "--ckpt-every", "5", "--work-ms", "100", "--heartbeat-interval-s", "1",
         "--pg-timeout-s", "30"]
-
-
-class StepClock:
-    """Timestamps each line rank 0 appends to losses.jsonl."""
-
-    def __init__(self, path: Path):
-        self.path = path
-        self.seen: list[tuple[float, dict]] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        offset = 0
-        while not self._stop.wait(0.01):
-            if not self.path.exists():
-                continue
-            with self.path.open() as stream:
-                stream.seek(offset)
-                chunk = stream.read()
-            complete = chunk[: chunk.rfind("\n") + 1]
-            offset += len(complete.encode())
-            now = time.time()
-            self.seen += [(now, json.loads(line)) for line in complete.splitlines() if line]
-
-    def first_step_after(self, since: float, world_size: int) -> float | None:
-        for seen_at, record in list(self.seen):
-            if seen_at > since and record["world_size"] == world_size:
-                return seen_at
-        return None
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join()
 
 
 @dataclass
@@ -123,8 +95,9 @@ def one_run(
         detect_s = declared_at(cluster, lost_at, deadline) if mode == "freeze" else None
         # +0.5 s: a line written in the instant of the loss belongs to the old world.
         while time.monotonic() < deadline:
-            first = clock.first_step_after(lost_at + 0.5, 3)
-            if first is not None:
+            seen = clock.first_step_after(lost_at + 0.5, 3)
+            if seen is not None:
+                first = seen[0]
                 if mode == "freeze":
                     signal_pids(node, signal.SIGCONT)
                     code = victim.process.wait(timeout=30)
@@ -138,21 +111,9 @@ def one_run(
         cluster.stop()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--runs", type=int, default=5)
-    parser.add_argument("--timeout-s", type=float, default=180)
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="an agent setting, e.g. agent.keep_alive_max_attempts=3")
-    parser.add_argument("--mode", choices=["kill", "freeze", "both"], default="both")
-    parser.add_argument("--snapshots", action="store_true",
-                        help="the script takes in-memory snapshots (K from their cost)")
-    parser.add_argument("--keep", action="store_true", help="keep each run's directory and "
-                        "log torchrun at INFO (rendezvous rounds), to see where the time goes")
-    args = parser.parse_args()
+def on_localhost(args: argparse.Namespace) -> None:
     env = {"LOGLEVEL": "INFO"} if args.keep else {}
-    modes = ["kill", "freeze"] if args.mode == "both" else [args.mode]
+    modes = ["kill", "freeze"] if args.mode in ("both", "all") else [args.mode]
     outcomes: dict[str, list[Outcome]] = {mode: [] for mode in modes}
     for n in range(args.runs):
         for mode in modes:  # alternating, so a change of load hits both alike
@@ -186,6 +147,55 @@ def main() -> None:
             fields.append(f"freeze_detect_median_s={statistics.median(detect):.2f}")
         fields.append(f"freeze_median_s={statistics.median(o.recovery_s for o in freeze):.2f}")
     print("recovery " + " ".join(fields))
+
+
+def on_slurm(args: argparse.Namespace) -> None:
+    import recovery_slurm
+
+    if args.mode in ("all", "both"):
+        modes = list(recovery_slurm.MODES)
+    else:
+        modes = ["spare" if mode == "kill" else mode for mode in args.mode.split(",")]
+    unknown = set(modes) - set(recovery_slurm.MODES)
+    if unknown:
+        sys.exit(f"no mode {', '.join(sorted(unknown))} on slurm: {recovery_slurm.MODES}")
+    settings = {}
+    for item in args.set:
+        key, _, value = item.partition("=")
+        settings["SLURMFT_" + key.upper().replace(".", "_")] = value
+    recovery_slurm.main(
+        args.runs, modes, args.timeout_s, code=args.code, write_baseline=args.write_baseline,
+        snapshots=args.snapshots, settings=settings, keep=args.keep,
+    )  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--on", choices=["slurm", "localhost"], default="slurm",
+                        help="a local Slurm cluster of its own with the daemon (root), or agents "
+                        "started by hand on localhost (no Slurm, no daemon)")
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--timeout-s", type=float, default=180)
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="an agent setting, e.g. agent.keep_alive_max_attempts=3")
+    parser.add_argument("--mode", default="all",
+                        help="slurm: spare, requeue, freeze, a comma list, or all; "
+                        "localhost: kill, freeze or all")
+    parser.add_argument("--snapshots", action="store_true",
+                        help="the script takes in-memory snapshots (K from their cost)")
+    parser.add_argument("--code", metavar="REV",
+                        help="slurm: run slurmft from a worktree of this commit (a baseline)")
+    parser.add_argument("--write-baseline", action="store_true",
+                        help="slurm: record the medians as the baseline the ratio is taken "
+                        "against (scripts/bench/recovery-baseline.json)")
+    parser.add_argument("--keep", action="store_true", help="keep the runs' directories (and "
+                        "the daemon's log); localhost: log torchrun at INFO (rendezvous rounds)")
+    args = parser.parse_args()
+    if args.on == "localhost":
+        on_localhost(args)
+    else:
+        on_slurm(args)
 
 
 if __name__ == "__main__":

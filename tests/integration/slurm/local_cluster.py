@@ -34,6 +34,7 @@ class Cluster:
         self._jobs: list[str] = []
         self._killed: set[str] = set()
         self._drained: set[str] = set()
+        self._frozen: set[str] = set()
 
     def submit(self, command: Sequence[str], *, nodes: int, **fields: object) -> str:
         fields.setdefault("output", str(self.tmp_path / "job-%j.out"))
@@ -98,6 +99,16 @@ class Cluster:
         self._script("revive", node)
         self._killed.discard(node)
 
+    def freeze_node(self, node: str) -> None:
+        """The whole node hangs (SIGSTOP of its slurmd, step daemons and their children):
+        nothing of it answers, nothing closes a socket. Thawed by the undo, pass or fail."""
+        self._frozen.add(node)
+        self._script("freeze-node", node)
+
+    def thaw_node(self, node: str) -> None:
+        self._script("thaw-node", node)
+        self._frozen.discard(node)
+
     def _script(self, *args: str) -> None:
         subprocess.run(
             [str(CLUSTER_SCRIPT), *args], env=self._script_env, check=True,
@@ -105,6 +116,8 @@ class Cluster:
         )  # fmt: skip
 
     def undo(self) -> None:
+        for node in sorted(self._frozen):
+            self.thaw_node(node)
         for job_id in self._jobs:
             with contextlib.suppress(SlurmError):
                 self.client.cancel(job_id)
