@@ -10,8 +10,11 @@ every 5) and, once it trained 8 steps, loses an active node that is not the batc
 - freeze: the node is frozen whole (SIGSTOP, as `scripts/slurm-cluster freeze-node`; a hung
   kernel or a lost NIC sends nothing, closes nothing), with a spare. After the recovery it is
   thawed, and its agent must be fenced.
-The breakdown comes from the store: the survivors' first report of the failure (a rank's failure
-or a peer declared dead), the agents' new rendezvous round, the attempt started by the requeue.
+The breakdown (seconds after the loss) comes from the store: the survivors' first report of the
+failure (a rank's failure or a peer declared dead), the first agent joining a new rendezvous
+round, the daemon's record of the lost node, the attempt started by the requeue; and from the
+example's own journal: when rank 0 of the new workers had loaded the checkpoint or snapshot
+(`workers_resumed`: the round, the workers' start, the process group and the load are behind).
 
 `--code REV` runs slurmft from a git worktree of REV (the daemon, `slurmft submit`, the agents
 and the script, through PYTHONPATH; the benchmark's own harness stays this checkout's), and
@@ -111,6 +114,11 @@ def stages(run: SubmittedRun, lost_at: float, victim: str) -> dict[str, float]:
     first("peer_declared_dead", EventKind.PEER_DEAD)
     first("daemon_node_lost", EventKind.NODE_LOST, node=victim)
     first("round_joined", EventKind.RESTART)
+    # Rank 0 of the new workers loaded the checkpoint (or snapshot): the round, the workers'
+    # start, the process group and the load are behind.
+    resumed = [e["time"] for e in run.jsonl("events.jsonl") if e["event"] == "resumed"]
+    if [t for t in resumed if t > lost_at]:
+        found["workers_resumed"] = min(t for t in resumed if t > lost_at) - lost_at
     started = [a.started_at for a in run.attempts() if a.number > 1 and a.started_at is not None]
     if started:
         found["requeued_job_running"] = _seconds(min(started), lost_at)

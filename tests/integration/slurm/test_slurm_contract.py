@@ -174,6 +174,39 @@ def test_killed_node_goes_down_and_the_no_kill_job_shrinks(cluster: Cluster) -> 
     print(f"kill -> {victim} DOWN: {seconds:.1f} s")
 
 
+def _task_states(node: str) -> set[str]:
+    """The process states (R, S, T, ...) of the `sleep` tasks the job runs on ``node``."""
+    states = set()
+    for entry in Path("/proc").iterdir():
+        try:
+            if not entry.name.isdigit() or (entry / "comm").read_text().strip() != "sleep":
+                continue
+            if f"SLURMD_NODENAME={node}".encode() in (entry / "environ").read_bytes().split(b"\0"):
+                states.add((entry / "stat").read_text().rsplit(")", 1)[1].split()[0])
+        except OSError:
+            continue  # exited while we looked
+    return states
+
+
+@pytest.mark.slurm
+def test_a_frozen_node_stops_answering_and_its_tasks_run_on_when_thawed(cluster: Cluster) -> None:
+    job_id = cluster.submit(agent_step(3, cluster.tmp_path), nodes=3)
+    job, _ = cluster.wait_running(job_id)
+    victim = next(node for node in job.nodes if node != job.batch_host)
+    wait_for_value(f"the task on {victim}", lambda: _task_states(victim), bool, 15)
+    cluster.freeze_node(victim)
+    assert _task_states(victim) == {"T"}
+    node, seconds = wait_for_value(
+        f"{victim} not responding", lambda: cluster.client.node(victim), lambda n: n.status.lost, 30
+    )
+    cluster.thaw_node(victim)
+    states, _ = wait_for_value(
+        f"the task on {victim} running again", lambda: _task_states(victim), lambda s: s, 10
+    )
+    assert "T" not in states
+    print(f"freeze -> {victim} {node.status}: {seconds:.1f} s")
+
+
 HOSTILE = [
     "it's",
     'say "hi"',
