@@ -7,6 +7,7 @@ session fixtures reused by several assertions where that is honest.
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -47,3 +48,16 @@ def interrupted_run(tmp_path_factory: pytest.TempPathFactory) -> TinyRun:
     )
     assert run.returncode == 0, run.output[-4000:]
     return run
+
+
+@pytest.fixture
+def world_of_one(tmp_path: Path) -> Iterator[None]:
+    """A gloo process group of this process alone."""
+    import torch.distributed as dist
+
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

@@ -3,24 +3,11 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 pytestmark = pytest.mark.torch
-
-
-@pytest.fixture
-def world_of_one(tmp_path: Path) -> Iterator[None]:
-    import torch.distributed as dist
-
-    store = dist.FileStore(str(tmp_path / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def state(value: float) -> dict:

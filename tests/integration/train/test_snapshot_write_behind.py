@@ -7,25 +7,12 @@ from __future__ import annotations
 
 import io
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 pytestmark = pytest.mark.torch
-
-
-@pytest.fixture
-def world_of_one(tmp_path: Path) -> Iterator[None]:
-    import torch.distributed as dist
-
-    store = dist.FileStore(str(tmp_path / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def written(folder: Path, step: int) -> tuple[dict[str, Any], dict[str, Any]]:
