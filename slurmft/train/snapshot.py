@@ -179,7 +179,6 @@ class HostCopy:
 
     def __init__(self) -> None:
         self._buffers: dict[str, torch.Tensor] = {}
-        self._copied: Any = None
 
     def copy(self, state: Any) -> Callable[[], Any]:
         """Start copying ``state``; returns what waits for the copy and gives it."""
