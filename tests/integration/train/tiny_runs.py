@@ -228,7 +228,8 @@ def assert_phases_and_step_timings(messages: list[dict[str, Any]], steps: int) -
     timings = [m for m in messages if m["kind"] == "step"]
     for rank in (0, 1):
         mine = [m for m in timings if m["rank"] == rank]
-        assert [m["step"] for m in mine] == list(range(1, steps + 1))
+        seen = [m["step"] for m in mine]
+        assert seen == list(range(1, steps + 1)), f"rank {rank} sent step timings for {seen}"
         for m in mine:
             assert m["compute_s"] > 0 and m["wait_s"] >= 0
             assert m["total_s"] >= m["compute_s"] + m["wait_s"]
