@@ -147,6 +147,9 @@ class Heartbeat:
                 self.enter(Phase.DONE)
             self._thread.join(timeout=self.interval_s + 1)
             self._thread = None
+        # What the agent's full queue held back goes out before the rank ends (it reads every
+        # 0.1 s); the "done" above among it.
+        self.channel.flush(timeout_s=1.0)
 
     def _run(self) -> None:
         while True:

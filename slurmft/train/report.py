@@ -1,20 +1,26 @@
 """The rank side of the report channel to the node agent.
 
 A rank sends JSON datagrams to a unix datagram socket whose path the agent puts in
-`SLURMFT_AGENT_SOCKET`. Sending never blocks and never raises: when the agent is absent, slow or
-its receive buffer is full, the message is dropped and counted (the next heartbeat supersedes it
-anyway). After a send finds no agent, sends are dropped without a system call for one second.
-A step must never wait on telemetry. The schema is documented in docs/train.md.
+`SLURMFT_AGENT_SOCKET`. Sending never blocks and never raises. Linux queues at most
+`net.unix.max_dgram_qlen` datagrams (10 by default, whatever the buffer size) on the agent's
+socket, and the agent reads it every 0.1 s: the ranks of an 8-GPU node ending a step together
+overflow it. So a datagram the kernel refuses for that (EAGAIN) waits in the rank's backlog
+(bounded, `BACKLOG`) and goes out, in order, before the next message; only a full backlog drops,
+counted. When the agent is absent the message is dropped and counted, and for one second sends
+are dropped without a system call. A step must never wait on telemetry. The schema is
+documented in docs/train.md.
 
 This module does not import torch: the agent may import it to share the schema constants.
 """
 
 from __future__ import annotations
 
+import collections
 import errno
 import json
 import os
 import socket
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,14 +47,17 @@ MAX_MESSAGE_BYTES = 64 * 1024
 _ABSENT_ERRNOS = {errno.ENOENT, errno.ECONNREFUSED, errno.ENOTCONN}
 ABSENT_RETRY_S = 1.0
 
-# errnos that mean "no agent listening" or "agent not keeping up": drop, never raise.
+# The agent is there but has not read yet: the datagram waits in the backlog.
+_BUSY_ERRNOS = {errno.EAGAIN, errno.EWOULDBLOCK, errno.ENOBUFS}
+# Datagrams waiting for the agent to read; past this the newest is dropped (a rank whose agent
+# stopped reading must not grow without end).
+BACKLOG = 1024
+
+# errnos that mean "no agent listening" or a message it cannot take: drop, never raise.
 _DROP_ERRNOS = {
-    errno.EAGAIN,
-    errno.EWOULDBLOCK,
     errno.ENOENT,
     errno.ECONNREFUSED,
     errno.ENOTCONN,
-    errno.ENOBUFS,
     errno.EMSGSIZE,
     errno.EPIPE,
     errno.EACCES,
@@ -104,6 +113,10 @@ class ReportChannel:
         self.stats = ChannelStats()
         self._sock: socket.socket | None = None
         self._retry_at = 0.0  # while the agent is absent, sends before this time are dropped
+        # Datagrams the agent's full queue refused, oldest first; the lock keeps their order
+        # between the heartbeat thread and the training loop.
+        self._backlog: collections.deque[bytes] = collections.deque()
+        self._lock = threading.Lock()
         if self.socket_path:
             self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
             self._sock.setblocking(False)
@@ -118,6 +131,8 @@ class ReportChannel:
         return json.dumps(message, separators=(",", ":")).encode()
 
     def send(self, kind: str, **fields: Any) -> bool:
+        """Hand the message to the kernel, or to the backlog behind earlier ones; False when
+        it was dropped."""
         if self._sock is None or self.socket_path is None:  # the socket exists only with a path
             # No agent configured: the cheapest path, taken by plain torchrun runs.
             self.stats.drop("no_socket")
@@ -129,22 +144,70 @@ class ReportChannel:
         if len(payload) > MAX_MESSAGE_BYTES:
             self.stats.drop("too_large")
             return False
+        with self._lock:
+            if self._flush_backlog():
+                return self._send_now(payload)
+            return self._hold(payload)
+
+    def flush(self, timeout_s: float = 0.0) -> int:
+        """Send what waits in the backlog while the agent takes it, retrying for up to
+        ``timeout_s`` (at a rank's end: its last reports must not die with it); how many still
+        wait."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with self._lock:
+                self._flush_backlog()
+                waiting = len(self._backlog)
+            if not waiting or time.monotonic() >= deadline:
+                return waiting
+            time.sleep(0.01)
+
+    def _flush_backlog(self) -> bool:
+        """True when the backlog is empty."""
+        while self._backlog:
+            outcome = self._sendto(self._backlog[0])
+            if outcome == "busy":
+                return False
+            self._backlog.popleft()
+            if self._retry_at:  # the agent is gone: what waited for it goes too
+                for _ in range(len(self._backlog)):
+                    self.stats.drop("agent_absent")
+                self._backlog.clear()
+        return True
+
+    def _send_now(self, payload: bytes) -> bool:
+        outcome = self._sendto(payload)
+        if outcome == "busy":
+            return self._hold(payload)
+        return outcome == "sent"
+
+    def _hold(self, payload: bytes) -> bool:
+        if len(self._backlog) >= BACKLOG:
+            self.stats.drop("backlog_full")
+            return False
+        self._backlog.append(payload)
+        return True
+
+    def _sendto(self, payload: bytes) -> str:
+        """"sent", "busy" (the agent has not read yet: try again later) or "dropped"."""
+        assert self._sock is not None and self.socket_path is not None
         try:
             self._sock.sendto(payload, self.socket_path)
         except OSError as error:
+            if error.errno in _BUSY_ERRNOS:
+                return "busy"
             if error.errno in _ABSENT_ERRNOS:
                 self._retry_at = time.monotonic() + ABSENT_RETRY_S
-            if error.errno in _DROP_ERRNOS:
-                self.stats.drop(errno.errorcode.get(error.errno or 0, "oserror"))
-                return False
-            self.stats.drop("oserror")
-            return False
+            name = errno.errorcode.get(error.errno or 0, "oserror")
+            self.stats.drop(name if error.errno in _DROP_ERRNOS else "oserror")
+            return "dropped"
         self._retry_at = 0.0
         self.stats.sent += 1
-        return True
+        return "sent"
 
     def close(self) -> None:
         if self._sock is not None:
+            self.flush()
             self._sock.close()
             self._sock = None
 
