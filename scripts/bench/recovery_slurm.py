@@ -9,7 +9,8 @@ every 5) and, once it trained 8 steps, loses an active node that is not the batc
 - requeue: the same kill, with no spare: the job is requeued without the node;
 - freeze: the node is frozen whole (SIGSTOP, as `scripts/slurm-cluster freeze-node`; a hung
   kernel or a lost NIC sends nothing, closes nothing), with a spare. After the recovery it is
-  thawed, and its agent must be fenced.
+  thawed: its processes must all end (its agent fenced, exit 6; or stopped first, when the
+  daemon or Slurm called the node lost while it was frozen) with no restart of the others.
 The breakdown (seconds after the loss) comes from the store: the survivors' first report of the
 failure (a rank's failure or a peer declared dead), the first agent joining a new rendezvous
 round, the daemon's record of the lost node, the attempt started by the requeue; and from the
@@ -75,7 +76,7 @@ class Outcome:
     replayed_steps: int
     # The store's timeline, in seconds after the loss (absent: not recorded).
     stages: dict[str, float] = field(default_factory=dict)
-    fenced: bool | None = None  # freeze: the thawed node's agent was fenced
+    thawed: str | None = None  # freeze: how the thawed node's processes ended
 
 
 def load_cluster_script(root: str) -> ModuleType:
@@ -135,17 +136,37 @@ def beating_nodes(run: SubmittedRun, job_nodes: list[str]) -> dict[int, str]:
     return ranks
 
 
-def fenced(run: SubmittedRun, node: str) -> bool:
+def run_processes_on(run: SubmittedRun, node: str) -> set[int]:
+    """The run's processes on one emulated node: their environment names the node and their
+    command line the run's checkpoint directory (warm workers: their registry entry does)."""
+    wanted = f"SLURMD_NODENAME={node}".encode()
+    ckpt = str(run.ckpt_dir).encode()
+    found = set()
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and ckpt in (entry / "cmdline").read_bytes() and (
+                wanted in (entry / "environ").read_bytes().split(b"\0")
+            ):
+                found.add(int(entry.name))
+        except OSError:
+            continue  # exited while we looked
+    return found
+
+
+def after_thaw(run: SubmittedRun, node: str, thawed_at: float) -> str:
+    """How the thawed node's processes ended, and whether the others restarted meanwhile."""
     try:
-        wait_for_value(
-            f"{node}'s agent fenced",
-            lambda: run.events(Event.kind == EventKind.FENCED, Event.node == node),
-            bool,
-            timeout_s=30,
-        )
+        _, seconds = wait_for_value(
+            f"every process of the run on {node} gone", lambda: run_processes_on(run, node),
+            lambda pids: not pids, timeout_s=30,
+        )  # fmt: skip
     except WaitTimeout:
-        return False
-    return True
+        return f"processes still running on {node} 30 s after the thaw"
+    since = datetime.fromtimestamp(thawed_at, UTC)
+    fenced = run.events(Event.kind == EventKind.FENCED, Event.node == node)
+    restarts = run.events(Event.kind == EventKind.RESTART, Event.occurred_at >= since)
+    how = "fenced (exit 6)" if fenced else "stopped before it could fence itself"
+    return f"gone {seconds:.1f} s after the thaw, {how}; restarts since: {len(restarts)}"
 
 
 def one_run(bench: Bench, mode: str, index: int, timeout_s: float) -> Outcome:
@@ -187,9 +208,10 @@ def one_run(bench: Bench, mode: str, index: int, timeout_s: float) -> Outcome:
             max(0, clock.last_step_before(lost_at) - record["step"] + 1),
         )  # fmt: skip
         if mode == "freeze":
+            thawed_at = time.time()
             cluster.thaw_node(victim)
             cluster._drained.add(victim)  # Slurm may have called it DOWN meanwhile
-            outcome.fenced = fenced(run, victim)
+            outcome.thawed = after_thaw(run, victim, thawed_at)
         outcome.stages = stages(run, lost_at, victim)
         return outcome
     finally:
@@ -232,7 +254,7 @@ def _git(*argv: str) -> str:
 def print_outcome(n: int, outcome: Outcome) -> None:
     parts = ", ".join(f"{name} {value:.2f}" for name, value in sorted(
         outcome.stages.items(), key=lambda item: item[1]))  # fmt: skip
-    fence = "" if outcome.fenced is None else f"; thawed node fenced: {outcome.fenced}"
+    fence = "" if outcome.thawed is None else f"; thawed: {outcome.thawed}"
     print(
         f"run {n} {outcome.mode} ({outcome.victim}): first step at world size {NODES} after "
         f"{outcome.recovery_s:.2f} s, {outcome.replayed_steps} steps replayed; store (s after "
