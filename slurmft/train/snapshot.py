@@ -30,8 +30,8 @@ snapshot first waits for that write, so a write slower than K steps shows up in 
 worker killed in the middle of a write leaves a partial file that is never read: the snapshot
 before it serves.
 
-K is chosen from the measured cost (the time the loop waited): at each snapshot, K is the
-smallest number of steps whose time the previous snapshots cost at most `budget` (3 %) of,
+K is chosen from the measured cost (the time the loop waited, the largest of the last three): at
+each snapshot, K is the smallest number of steps whose time that cost is at most `budget` (3 %) of,
 given the median step time, from numbers every rank shares (the previous gather), so every
 rank picks the same K.
 
@@ -68,6 +68,9 @@ log = logging.getLogger(__name__)
 
 BUDGET = 0.03
 KEEP = 2
+# K is taken from the largest of a rank's last few waits: from the last one alone, a wait
+# shorter than usual picked a K that then cost more than the budget (measured: 3.8 %).
+RECENT_COSTS = 3
 SCHEMA = 1
 # Each rank's gathered record (RNG state and costs, JSON) travels in a fixed-size slot: its
 # length first, then the bytes. The slot is sized at the first snapshot (every rank agrees on
@@ -269,6 +272,7 @@ class MemorySnapshots:
         self.step_times: list[float] = []
         self.last_step_at: float | None = None
         self.last_cost_s = 0.0
+        self.recent_costs: list[float] = []  # the last few waits: K is taken from the largest
         self.last_error = ""  # why the last write failed ("" if it did not)
         self._slot = 0
         self._host = HostCopy()
@@ -293,10 +297,13 @@ class MemorySnapshots:
         self.last_step_at = now
         if not self.enabled or step % self.every != 0:
             return False
+        first = not self._slot
         started = time.monotonic()
         with during():
             self.save(step, state(), resume())
         self.last_cost_s = time.monotonic() - started
+        if not first:  # the first pays once for the buffers and the slot size: not K's business
+            self.recent_costs = [*self.recent_costs[-(RECENT_COSTS - 1) :], self.last_cost_s]
         self.last_step_at = time.monotonic()  # the snapshot is not the next step's time
         return True
 
@@ -309,7 +316,8 @@ class MemorySnapshots:
         if previous is not None and not self.fixed_every:
             self.every = self._every_from(previous.records())
         step_s = statistics.median(self.step_times) if self.step_times else 0.0
-        record = {"rng": capture_rng_state(), "cost_s": self.last_cost_s, "step_s": step_s}
+        cost_s = max(self.recent_costs, default=0.0)
+        record = {"rng": capture_rng_state(), "cost_s": cost_s, "step_s": step_s}
         if not self._slot:
             self._slot = self._agree_on_slot(record)
         gather = _Gather(record, self._slot, self._device())
