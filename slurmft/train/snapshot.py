@@ -12,8 +12,9 @@ state of *every* rank (gathered), behind a manifest with the payload's size and 
 durable checkpoint's check). Local rank 0 of each node writes the node's copy; the state is the
 same on every data-parallel replica, so every node that trained holds a full copy: replication
 to another node comes with data parallelism itself. Sharded state (FSDP, tensor parallel) is not
-the same on every node: `MemorySnapshots` refuses to run there (`replicated=False`), since a lost
-node's shard would be on no survivor.
+the same on every node, and a lost node's shard would be on no survivor: `MemorySnapshots`
+refuses it (`replicated=False`, or at the first snapshot, on every rank before any collective,
+when the state holds a DTensor or a ShardedTensor: `ShardedState`).
 
 After a restart every rank reports the newest snapshot its node holds that checks out
 (manifest, size, sha256); the newest one that is newer than the durable checkpoint wins, the
@@ -175,6 +176,29 @@ def snapshot_every(snapshot_s: float, step_s: float, budget: float = BUDGET) -> 
     return max(1, math.ceil(snapshot_s / (budget * step_s)))
 
 
+class ShardedState(ValueError):
+    """The state holds a distributed tensor: a node's snapshot would not be the whole state."""
+
+
+def check_replicated(state: Any, path: str = "") -> None:
+    """Raise ShardedState when ``state`` holds a DTensor or a ShardedTensor (FSDP's and tensor
+    parallelism's): a shard is on its node alone, and a lost node's snapshot would go with it."""
+    if isinstance(value := state, torch.Tensor):
+        kind = type(value).__name__
+        if kind in ("DTensor", "ShardedTensor"):
+            raise ShardedState(
+                f"in-memory snapshots need state replicated on every node (DDP): {path or '/'} "
+                f"is a {kind}"
+            )
+        return
+    if isinstance(state, dict):
+        for key, item in state.items():
+            check_replicated(item, f"{path}/{key}")
+    elif isinstance(state, list | tuple):
+        for index, item in enumerate(state):
+            check_replicated(item, f"{path}/{index}")
+
+
 class HostCopy:
     """Host copies of a state's tensors, allocated at the first copy and reused while shapes
     and dtypes stay; pinned when the tensor is on a GPU, so the copy is queued on the training
@@ -316,6 +340,10 @@ class MemorySnapshots:
         if previous is not None and not self.fixed_every:
             self.every = self._every_from(previous.records())
         step_s = statistics.median(self.step_times) if self.step_times else 0.0
+        if not self._slot:
+            # Every rank, before any collective: one refusing alone would leave the others
+            # waiting in the gather. The state's structure does not change between snapshots.
+            check_replicated(state)
         cost_s = max(self.recent_costs, default=0.0)
         record = {"rng": capture_rng_state(), "cost_s": cost_s, "step_s": step_s}
         if not self._slot:

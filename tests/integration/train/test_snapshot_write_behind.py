@@ -119,3 +119,31 @@ def test_a_failed_write_is_reported_and_training_goes_on(
     snapshots.flush()
     assert "snapshot of step 1 not written" in snapshots.last_error
     assert snapshots.after_step(2, lambda: {"w": torch.ones(2)}, dict)
+
+
+def test_fsdp_state_is_refused_before_any_collective(tmp_path: Path, world_of_one: None) -> None:
+    """FSDP2 on the CPU: its state dict holds DTensors, each rank's shard on its node alone, so
+    a lost node's snapshot would go with it. Every rank refuses at the first snapshot, before
+    the gather (one refusing alone would leave the others waiting in it)."""
+    import torch
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from slurmft.train.snapshot import MemorySnapshots, ShardedState
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+    fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
+    optimizer = torch.optim.Adam(model.parameters())
+    model(torch.randn(2, 4)).sum().backward()
+    optimizer.step()
+
+    def state() -> dict[str, Any]:
+        weights, optim = get_state_dict(model, optimizer)
+        return {"model": weights, "optim": optim}
+
+    snapshots = MemorySnapshots(str(tmp_path / "shm"), every=1)
+    with pytest.raises(ShardedState, match=r"/model/0\.weight is a DTensor"):
+        snapshots.after_step(1, state, dict)
+    assert snapshots._pending_gather is None and snapshots._pending_write is None
+    assert not (tmp_path / "shm").exists()
