@@ -31,10 +31,11 @@ snapshot first waits for that write, so a write slower than K steps shows up in 
 worker killed in the middle of a write leaves a partial file that is never read: the snapshot
 before it serves.
 
-K is chosen from the measured cost (the time the loop waited, the largest of the last three): at
-each snapshot, K is the smallest number of steps whose time that cost is at most `budget` (3 %) of,
-given the median step time, from numbers every rank shares (the previous gather), so every
-rank picks the same K.
+K is chosen from the measured cost: the time the loop waited, plus what the steps lost while the
+write went on beside them (on a CPU it shares the cores and the GIL), the largest of the last
+three. At each snapshot K is the smallest number of steps whose time that cost is at most
+`budget` (3 %) of, given the median step without a write beside it, from numbers every rank
+shares (the previous gather), so every rank picks the same K.
 
 The folder is the agent's (`$SLURMFT_SNAPSHOT_DIR`, a tmpfs folder it creates and removes at
 its end): the agent handles the files as bytes and never imports torch.
@@ -293,10 +294,17 @@ class MemorySnapshots:
         self.rank = dist.get_rank() if self.enabled else 0
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         self.writes = self.enabled and self.local_rank == 0 and self.folder is not None
-        self.step_times: list[float] = []
+        self.step_times: list[float] = []  # steps with no write going on beside them
+        self.writing_step_times: list[float] = []
         self.last_step_at: float | None = None
-        self.last_cost_s = 0.0
-        self.recent_costs: list[float] = []  # the last few waits: K is taken from the largest
+        self.last_cost_s = 0.0  # the loop's last wait
+        # A snapshot's whole cost: the loop's wait, plus what the steps lost while its write
+        # went on beside them (on a CPU it shares the cores and the GIL; on a GPU next to
+        # nothing). Known once the write is done; K is taken from the largest of the last few.
+        self.recent_costs: list[float] = []
+        self._unsettled_wait: float | None = None
+        self._slowed_s = 0.0
+        self._writing = False
         self.last_error = ""  # why the last write failed ("" if it did not)
         self._slot = 0
         self._host = HostCopy()
@@ -317,7 +325,7 @@ class MemorySnapshots:
         the wait (a heartbeat phase). True when a snapshot was started."""
         now = time.monotonic()
         if self.last_step_at is not None:
-            self.step_times = [*self.step_times[-49:], now - self.last_step_at]
+            self._count_step(now - self.last_step_at)
         self.last_step_at = now
         if not self.enabled or step % self.every != 0:
             return False
@@ -326,20 +334,40 @@ class MemorySnapshots:
         with during():
             self.save(step, state(), resume())
         self.last_cost_s = time.monotonic() - started
-        if not first:  # the first pays once for the buffers and the slot size: not K's business
-            self.recent_costs = [*self.recent_costs[-(RECENT_COSTS - 1) :], self.last_cost_s]
+        # The first pays once for the buffers and the slot size: not K's business.
+        self._unsettled_wait = None if first else self.last_cost_s
+        self._slowed_s = 0.0
+        self._writing = self._pending_write is not None
         self.last_step_at = time.monotonic()  # the snapshot is not the next step's time
         return True
+
+    def _count_step(self, took: float) -> None:
+        if not self._writing:
+            self.step_times = [*self.step_times[-49:], took]
+            return
+        self.writing_step_times = [*self.writing_step_times[-49:], took]
+        self._slowed_s += max(0.0, took - self._step_s())
+        if self._pending_write is None or self._pending_write.done():
+            self._writing = False
+
+    def _step_s(self) -> float:
+        """The median step with no write beside it (with always one: the median step)."""
+        times = self.step_times or self.writing_step_times
+        return statistics.median(times) if times else 0.0
 
     def save(self, step: int, state: dict[str, Any], resume: dict[str, Any]) -> None:
         """Collective: waits for the previous snapshot, takes K from what the previous gather
         shared, then starts this one: the copy, the gather of every rank's RNG state and
         costs, and (one rank per node) the write in the background."""
         self.flush()
+        if self._unsettled_wait is not None:  # the previous snapshot's write is done now
+            cost_s = self._unsettled_wait + self._slowed_s
+            self.recent_costs = [*self.recent_costs[-(RECENT_COSTS - 1) :], cost_s]
+            self._unsettled_wait = None
         previous, self._pending_gather = self._pending_gather, None
         if previous is not None and not self.fixed_every:
             self.every = self._every_from(previous.records())
-        step_s = statistics.median(self.step_times) if self.step_times else 0.0
+        step_s = self._step_s()
         if not self._slot:
             # Every rank, before any collective: one refusing alone would leave the others
             # waiting in the gather. The state's structure does not change between snapshots.

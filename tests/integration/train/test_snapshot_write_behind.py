@@ -6,6 +6,7 @@ write that fails costs that snapshot, never the training. One process, gloo."""
 from __future__ import annotations
 
 import io
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -147,3 +148,34 @@ def test_fsdp_state_is_refused_before_any_collective(tmp_path: Path, world_of_on
         snapshots.after_step(1, state, dict)
     assert snapshots._pending_gather is None and snapshots._pending_write is None
     assert not (tmp_path / "shm").exists()
+
+
+def test_k_counts_what_the_write_beside_the_steps_cost_them(
+    tmp_path: Path, world_of_one: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a CPU the background write shares the cores with the steps: the loop waits only for
+    the copy, but the steps beside the write take longer, and K must pay for that too."""
+    import torch
+
+    from slurmft.train import snapshot
+
+    real_write = snapshot.SnapshotFolder.write
+
+    def slow_write(self: snapshot.SnapshotFolder, *args: Any) -> None:
+        time.sleep(0.1)
+        real_write(self, *args)
+
+    monkeypatch.setattr(snapshot.SnapshotFolder, "write", slow_write)
+    snapshots = snapshot.MemorySnapshots(str(tmp_path / "shm"), every=20)  # K held: no waits
+    for step in range(1, 61):
+        pending = snapshots._pending_write
+        # 10 ms a step alone, 30 ms while a write goes on beside it.
+        time.sleep(0.03 if pending is not None and not pending.done() else 0.01)
+        snapshots.after_step(step, lambda: {"w": torch.ones(2)}, dict)
+    snapshots.flush()
+    # The snapshot of step 40 (the first, of step 20, pays for the buffers and is left out):
+    # the loop waited a few milliseconds, the four or so steps beside its write lost 20 ms each.
+    assert snapshots.last_cost_s < 0.05
+    (cost_s,) = snapshots.recent_costs
+    assert 0.05 <= cost_s < 0.3, snapshots.recent_costs
+    assert snapshot.snapshot_every(cost_s, statistics.median(snapshots.step_times)) > 100
