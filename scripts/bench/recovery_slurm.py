@@ -31,6 +31,7 @@ import importlib.util
 import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -300,6 +301,8 @@ def main(
 ) -> None:  # fmt: skip
     if os.geteuid() != 0:
         sys.exit("the local Slurm cluster needs root")
+    # Stopped (timeout, kill): the cluster, the daemon and the jobs go down on the way out.
+    signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
     root = Path(tempfile.mkdtemp(prefix="sftbench-"))
     root.chmod(0o755)
     # `python -m` puts the working directory first on sys.path, ahead of PYTHONPATH: jobs
