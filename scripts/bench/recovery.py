@@ -113,7 +113,12 @@ def one_run(
 
 def on_localhost(args: argparse.Namespace) -> None:
     env = {"LOGLEVEL": "INFO"} if args.keep else {}
-    modes = ["kill", "freeze"] if args.mode in ("both", "all") else [args.mode]
+    if args.mode in ("both", "all"):
+        modes = ["kill", "freeze"]
+    else:
+        modes = ["kill" if mode == "spare" else mode for mode in args.mode.split(",")]
+    if set(modes) - {"kill", "freeze"}:
+        sys.exit(f"--on localhost runs kill and freeze, not {args.mode}")
     outcomes: dict[str, list[Outcome]] = {mode: [] for mode in modes}
     for n in range(args.runs):
         for mode in modes:  # alternating, so a change of load hits both alike
