@@ -94,10 +94,15 @@ class RestartBudget:
                 f"crash loop: more than {cap} restarts in a row without a newer verified "
                 f"checkpoint; the cap is {cap} (policy.max_restarts_without_progress)"
             )
+        # The count when the budget was spent: cap restarts, then one more. A restart that
+        # came while the stop was on its way (warm workers restart within a second) is said
+        # after, not in place of it.
+        later = self.restarts_without_progress - 1 - cap
         return (
-            f"crash loop: {self.restarts_without_progress - 1} restarts in a row without "
-            f"progress (no newer verified checkpoint than {self.last_progress or 'none'}), then "
-            f"another failure; the cap is {cap} (policy.max_restarts_without_progress)"
+            f"crash loop: {cap} restarts in a row without progress (no newer verified "
+            f"checkpoint than {self.last_progress or 'none'}), then another failure; the cap is "
+            f"{cap} (policy.max_restarts_without_progress)"
+            + (f"; {later} more before the stop took effect" if later > 0 else "")
         )
 
     def to_dict(self) -> dict[str, Any]:

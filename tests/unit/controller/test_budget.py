@@ -165,6 +165,12 @@ def test_a_script_that_always_crashes_stops_after_the_cap() -> None:
     # Spent by the sixth restart, first reported at 100 s: later ones do not move that.
     assert spent_at(history[:-3], 5) is None
     assert spent_at(history, 5) == spent_at([*history, *_restart(120, "a")], 5) == _at(100)
+    # Nor the reason: a restart that came while the stop was on its way is said after it.
+    later = budget_from_history([*history, *_restart(120, "a", "b", "c")], 5)
+    assert later.restarts_without_progress == 7
+    assert later.stop_reason().startswith("crash loop: 5 restarts in a row without progress")
+    assert later.stop_reason().endswith("; 1 more before the stop took effect")
+    assert "more before" not in budget.stop_reason()
 
 
 def test_node_losses_near_a_restart_are_free_and_progress_resets() -> None:
