@@ -82,6 +82,11 @@ def test_a_node_lost_before_the_daemon_ever_saw_the_job_run_is_recorded_when_it_
     _lose_node_while_the_daemon_is_down(cluster, daemon, run, victim, steps=700)
 
 
+def _denied(run: SubmittedRun) -> frozenset[str]:
+    with run.database.session() as s:
+        return denied_nodes(s, run_id=run.run_id)
+
+
 def _lose_node_while_the_daemon_is_down(
     cluster: Cluster, daemon: DaemonProcess, run: SubmittedRun, victim: str, *, steps: int
 ) -> None:
@@ -118,8 +123,9 @@ def _lose_node_while_the_daemon_is_down(
         timeout_s=30,
     )
     assert {a.node for a in excluded} == {victim}
-    with run.database.session() as s:
-        assert denied_nodes(s, run_id=run.run_id) >= {victim}
+    # The action is recorded as planned before its effect: the denylist entry follows it.
+    wait_for_value("the node on the run's denylist", lambda: _denied(run),
+                   lambda denied: victim in denied, timeout_s=30)  # fmt: skip
     restarts, _ = wait_for_value(
         "the restart the loss caused, counted",
         lambda: run.events(Event.kind == EventKind.RESTART, Event.source == "daemon"),
