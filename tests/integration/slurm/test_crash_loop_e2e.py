@@ -61,11 +61,15 @@ def test_a_script_that_always_crashes_stops_at_the_cap_with_the_reason(
         final.end_reason
     )
     assert f"the cap is {CAP} (policy.max_restarts_without_progress)" in final.end_reason
-    assert final.restarts_without_progress == CAP + 1  # the failure that stopped it
-    # The stop races torchrun's restart after the failure that spent the budget: the next round
-    # completes within a second, so its workers may be starting when the cancel lands.
+    # The stop races torchrun's restarts after the failure that spent the budget: with warm
+    # workers a round completes and its workers crash again within a second or so, and the
+    # cancel takes up to two of those to land (seen: 2 more, which the reason says after the
+    # cap). The loop is still bounded: never more than two restarts past the one that spent it.
+    later = final.restarts_without_progress - (CAP + 1)
+    assert 0 <= later <= 2, final.restarts_without_progress
+    assert final.end_reason.endswith(f"; {later} more before the stop took effect") == (later > 0)
     done = restarts_done(run)
-    assert done in (CAP, CAP + 1), run.job_log()[-3000:]
+    assert CAP <= done <= CAP + 1 + later, run.job_log()[-3000:]
     starts = [e for e in run.jsonl("events.jsonl") if e["event"] == "fresh_start"]
     # Never a checkpoint: every start is from scratch (a racing last round may not get to it).
     assert CAP + 1 <= len(starts) <= done + 1, (len(starts), done)
