@@ -48,7 +48,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(REPO / "tests" / "integration" / "slurm"), str(REPO / "tests")]
 
 from daemon_process import DaemonProcess, running_daemon  # noqa: E402
-from e2e_run import SubmittedRun, submit  # noqa: E402
+from e2e_run import SubmittedRun, run_processes_on, submit  # noqa: E402
 from local_cluster import Cluster  # noqa: E402
 from slurm_clusters import CLUSTER_SCRIPT, own_cluster  # noqa: E402
 from step_clock import StepClock  # noqa: E402
@@ -135,23 +135,6 @@ def beating_nodes(run: SubmittedRun, job_nodes: list[str]) -> dict[int, str]:
         timeout_s=60,
     )
     return ranks
-
-
-def run_processes_on(run: SubmittedRun, node: str) -> set[int]:
-    """The run's processes on one emulated node: their environment names the node and their
-    command line the run's checkpoint directory (warm workers: their registry entry does)."""
-    wanted = f"SLURMD_NODENAME={node}".encode()
-    ckpt = str(run.ckpt_dir).encode()
-    found = set()
-    for entry in Path("/proc").iterdir():
-        try:
-            if entry.name.isdigit() and ckpt in (entry / "cmdline").read_bytes() and (
-                wanted in (entry / "environ").read_bytes().split(b"\0")
-            ):
-                found.add(int(entry.name))
-        except OSError:
-            continue  # exited while we looked
-    return found
 
 
 def after_thaw(run: SubmittedRun, node: str, thawed_at: float) -> str:

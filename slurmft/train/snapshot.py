@@ -260,9 +260,13 @@ class _Gather:
         mine = mine.to(device)
         self.slots = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
         self.work = dist.all_gather(self.slots, mine, async_op=True)
+        self._records: list[dict[str, Any] | None] | None = None
 
     def records(self) -> list[dict[str, Any] | None]:
-        """Every rank's record (None: it did not fit its slot). Waits for the gather."""
+        """Every rank's record (None: it did not fit its slot). Waits for the gather; decoded
+        once (the writer's thread reads them, then the next snapshot's K)."""
+        if self._records is not None:
+            return self._records
         assert self.work is not None
         self.work.wait()
         found: list[dict[str, Any] | None] = []
@@ -272,6 +276,7 @@ class _Gather:
             found.append(
                 None if length < 0 else json.loads(raw[_LENGTH.size : _LENGTH.size + length])
             )
+        self._records = found
         return found
 
 

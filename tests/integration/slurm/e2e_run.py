@@ -191,6 +191,25 @@ def submit(
     return SubmittedRun(submitted["run_id"], submitted["job_id"], shared, database)
 
 
+def run_processes_on(run: SubmittedRun, node: str) -> set[int]:
+    """The run's processes on one emulated node (all nodes share this host): those whose
+    environment names the node and whose command line names the run's checkpoint directory."""
+    wanted = b"SLURMD_NODENAME=" + node.encode()
+    ckpt = str(run.ckpt_dir).encode()
+    found = set()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes()
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue  # exited while we looked
+        if ckpt in cmdline and wanted in environ:
+            found.add(int(entry.name))
+    return found
+
+
 def second_venv(where: Path) -> Path:
     """A venv of its own whose packages are the first one's (a `.pth` that adds its
     site-packages, editable installs included), so the job's interpreter is not this one."""

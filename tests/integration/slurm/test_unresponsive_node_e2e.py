@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 from daemon_process import running_daemon
-from e2e_run import TINY, SubmittedRun, submit
+from e2e_run import TINY, SubmittedRun, run_processes_on, submit
 from local_cluster import Cluster
 from support.waiting import wait_for_value
 
@@ -46,25 +46,6 @@ EXAMPLE = ["-m", "slurmft.train.examples.tiny", "--ckpt-dir", "{ckpt}", "--out-d
 # An agent silent for 15 s while its peers report is unresponsive (production: 60 s; 10 s saw
 # ranks of a healthy node starved that long under a load average of 10 on 2 cores).
 UNRESPONSIVE_AFTER_S = 15
-
-
-def run_processes_on(run: SubmittedRun, node: str) -> set[int]:
-    """The run's processes on one emulated node (all nodes share this host): those whose
-    environment names the node and whose command line names the run's checkpoint directory."""
-    wanted = b"SLURMD_NODENAME=" + node.encode()
-    ckpt = str(run.ckpt_dir).encode()
-    found = set()
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes()
-            environ = (entry / "environ").read_bytes().split(b"\0")
-        except OSError:
-            continue  # exited while we looked
-        if ckpt in cmdline and wanted in environ:
-            found.add(int(entry.name))
-    return found
 
 
 def freeze(pids: set[int]) -> None:
