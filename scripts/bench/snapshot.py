@@ -8,10 +8,13 @@ world size 1) trains an MLP of that many parameters on the CPU and measures:
   host buffers and the gather's start), first call and steady, and the time until it is
   written (serialize, sha256, write and rename in tmpfs, in the background);
 - then the training loop itself with snapshots at the K the code picks (`after_step`, 3 %
-  budget), until K is settled and 3 snapshots were taken at it: the K, the loop's wait per
-  snapshot, and the overhead per step (the waits over the steps' own time); also the step time
-  during the loop against the step time without snapshots (the background write shares the
-  CPU here; on a GPU it shares nothing with the training stream).
+  budget), until K is settled (3 snapshots running) or 3 minutes pass: the K, the loop's wait
+  per snapshot, and the wait per step (the waits over the steps' own time);
+- then the whole cost at that K: blocks of steps with a snapshot every K steps (K steps a
+  block, or as many times K as make 5 s), alternating with blocks of as many steps without
+  (`--pairs`, within `--compare-s`), the one's time over the other's. That holds the waits and
+  the steps slowed beside the background write, which shares the CPU and memory bandwidth
+  here; on a GPU the write shares nothing with the training stream.
 Then two processes measure the restore's broadcast of a snapshot from one rank to the other
 (the way a spare receives it): bytes a second.
 
@@ -23,12 +26,14 @@ The last line is `snapshot overhead_pct=.. (per size) broadcast_mb_s=..`.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import shutil
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -38,6 +43,7 @@ import torch.multiprocessing as mp
 from slurmft.train.snapshot import MemorySnapshots
 
 BYTES_PER_PARAMETER = 12  # fp32 weights + Adam's exp_avg and exp_avg_sq
+BLOCK_S = 5.0  # the least time a block of steps with (or without) snapshots runs for
 WIDTH = 512  # 0.26 M parameters a layer: 3 MB of state
 
 
@@ -52,7 +58,20 @@ def init(rank: int, world: int, port: int) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world)
 
 
-def measure_size(size_mb: int, folder: Path) -> dict[str, float]:
+def measure_alone(state: Callable[[], dict], folder: Path) -> tuple[list[float], list[float]]:
+    """A snapshot on its own, 4 times: the loop's wait, and the time until it is written."""
+    alone = MemorySnapshots(folder=str(folder), every=1)
+    waits, written = [], []
+    for n in range(1, 5):
+        started = time.perf_counter()
+        alone.save(n, state(), {"global_step": n})
+        waits.append(time.perf_counter() - started)
+        alone.flush()
+        written.append(time.perf_counter() - started)
+    return waits, written
+
+
+def measure_size(size_mb: int, folder: Path, pairs: int, max_compare_s: float) -> dict[str, float]:
     torch.manual_seed(0)
     model = model_of(size_mb)
     optimizer = torch.optim.Adam(model.parameters())
@@ -70,33 +89,52 @@ def measure_size(size_mb: int, folder: Path) -> dict[str, float]:
 
     step_s = statistics.median([step() for _ in range(6)][1:])
     state_bytes = sum(p.numel() * 4 for p in model.parameters()) * 3
-    alone = MemorySnapshots(folder=str(folder / "alone"), every=1)
-    waits, written = [], []
-    for n in range(1, 5):
-        started = time.perf_counter()
-        alone.save(n, state(), {"global_step": n})
-        waits.append(time.perf_counter() - started)
-        alone.flush()
-        written.append(time.perf_counter() - started)
+    waits, written = measure_alone(state, folder / "alone")
     loop = MemorySnapshots(folder=str(folder / "loop"))
-    loop_steps, loop_waits, ks = [], [], []
-    # Until K settled (the same three times running), or 3 minutes: K moves with the wait.
+    ks, loop_waits = [], []
+    n = 0
+
+    def train_with_snapshots(steps: int) -> None:
+        nonlocal n
+        for _ in range(steps):
+            n += 1
+            step()
+            if loop.after_step(n, state, lambda: {"global_step": n}):  # noqa: B023 (called now)
+                loop_waits.append(loop.last_cost_s)
+                ks.append(loop.every)
+
+    # Until K settled (the same three times running), or 3 minutes: K moves with the cost.
     deadline = time.monotonic() + 180
-    for n in range(1, 5000):
-        loop_steps.append(step())
-        if loop.after_step(n, state, lambda: {"global_step": n}):  # noqa: B023
-            loop_waits.append(loop.last_cost_s)
-            ks.append(loop.every)
-            if len(ks) >= 5 and (len(set(ks[-3:])) == 1 or time.monotonic() > deadline):
-                break
-    loop.flush()
-    every = ks[-1]
-    loop_wait_s = statistics.median(loop_waits[-3:])
+    while len(ks) < 5 or (len(set(ks[-3:])) > 1 and time.monotonic() < deadline):
+        train_with_snapshots(1)
     print(f"  K over the loop's snapshots: {ks}", flush=True)
-    # The whole cost at that K: the waits, and the steps slowed by the background write that
-    # shares the CPU (and the GIL) with them, against the steps without snapshots.
-    window = loop_steps[-3 * every :]
-    slowdown = (sum(window) + sum(loop_waits[-3:])) / (len(window) * step_s) - 1
+    # Then the whole cost at the K the code picks: blocks of K steps with snapshots (each from
+    # a snapshot step to the step before the next, so its write ends inside it) alternating
+    # with blocks of as many steps without, compared as wholes: the waits, and the steps slowed
+    # by the background write that shares the CPU (and the GIL) with them. A mean against a
+    # mean: a median step would make the natural spread of step times look like overhead.
+    every = loop.fixed_every = loop.every  # held: each block below holds whole intervals
+    # A few seconds a block at least: short steps vary by more than a snapshot costs them.
+    block_steps = every * max(1, math.ceil(BLOCK_S / (every * step_s)))
+    with_s, without_s, blocks = 0.0, 0.0, []
+    block_deadline = time.monotonic() + max_compare_s
+    train_with_snapshots((-n - 1) % every)  # the next step takes a snapshot
+    while len(blocks) < 2 * pairs and (len(blocks) < 2 or time.monotonic() < block_deadline):
+        started = time.perf_counter()
+        train_with_snapshots(block_steps)  # a snapshot at its first step, then every K
+        loop.flush()  # its write is done by now, unless K is too small for it: then it counts
+        took_with = time.perf_counter() - started
+        started = time.perf_counter()
+        for _ in range(block_steps):
+            step()
+        took_without = time.perf_counter() - started
+        loop.last_step_at = None  # the steps above are not the loop's (no snapshot beside)
+        with_s, without_s = with_s + took_with, without_s + took_without
+        blocks += [took_with, took_without]
+    loop_wait_s = statistics.median(loop_waits[-3:])
+    pair_pct = [100 * (w / wo - 1) for w, wo in zip(blocks[::2], blocks[1::2], strict=True)]
+    print(f"  K={every}: {len(blocks) // 2} pairs of blocks, slower with snapshots by "
+          f"{', '.join(f'{pct:.1f} %' for pct in pair_pct)}", flush=True)
     return {
         "state_mb": state_bytes / 2**20,
         "step_s": step_s,
@@ -105,9 +143,9 @@ def measure_size(size_mb: int, folder: Path) -> dict[str, float]:
         "written_s": statistics.median(written[1:]),
         "every": every,
         "loop_wait_s": loop_wait_s,
-        "loop_step_s": statistics.median(loop_steps[-3 * every :]),
-        "overhead_pct": 100 * loop_wait_s / every / statistics.median(window),
-        "slowdown_pct": 100 * slowdown,
+        "loop_step_s": without_s / (block_steps * len(pair_pct)),
+        "overhead_pct": 100 * loop_wait_s * block_steps / every / (without_s / len(pair_pct)),
+        "slowdown_pct": 100 * (with_s / without_s - 1),
         "write_mb_s": state_bytes / 2**20 / statistics.median(written[1:]),
     }
 
@@ -133,6 +171,10 @@ def main() -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes-mb", default="16,256,1024")
     parser.add_argument("--broadcast-mb", type=int, default=256)
+    parser.add_argument("--pairs", type=int, default=3,
+                        help="blocks with and without snapshots to compare, a pair at least")
+    parser.add_argument("--compare-s", type=float, default=300,
+                        help="a size's comparison stops after this many seconds (a pair at least)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     init(0, 1, 29611)
@@ -141,7 +183,7 @@ def main() -> None:
     for size_mb in (int(s) for s in args.sizes_mb.split(",")):
         folder = Path(tempfile.mkdtemp(prefix="snapshot-bench-", dir=shm))
         try:
-            r = measure_size(size_mb, folder)
+            r = measure_size(size_mb, folder, args.pairs, args.compare_s)
         finally:
             shutil.rmtree(folder, ignore_errors=True)
         print(f"state {r['state_mb']:.0f} MB: step {r['step_s']:.3f} s; a snapshot alone: the "

@@ -159,13 +159,13 @@ def test_k_counts_what_the_write_beside_the_steps_cost_them(
 
     from slurmft.train import snapshot
 
-    real_write = snapshot.SnapshotFolder.write
+    real_write = snapshot.SnapshotFolder.write_with
 
     def slow_write(self: snapshot.SnapshotFolder, *args: Any) -> None:
         time.sleep(0.1)
         real_write(self, *args)
 
-    monkeypatch.setattr(snapshot.SnapshotFolder, "write", slow_write)
+    monkeypatch.setattr(snapshot.SnapshotFolder, "write_with", slow_write)
     snapshots = snapshot.MemorySnapshots(str(tmp_path / "shm"), every=20)  # K held: no waits
     for step in range(1, 61):
         pending = snapshots._pending_write
@@ -179,3 +179,29 @@ def test_k_counts_what_the_write_beside_the_steps_cost_them(
     (cost_s,) = snapshots.recent_costs
     assert 0.05 <= cost_s < 0.3, snapshots.recent_costs
     assert snapshot.snapshot_every(cost_s, statistics.median(snapshots.step_times)) > 100
+
+
+def test_k_keeps_the_writes_apart_and_is_not_inflated_by_their_overlap(
+    tmp_path: Path, world_of_one: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """K starts at 1, so the first snapshots wait for each other's writes. That wait is K's
+    doing, not the snapshot's cost: K follows the write's duration instead (200 ms, half of 40
+    steps of 10 ms), and not the hundreds of steps a 200 ms cost would have made it."""
+    import torch
+
+    from slurmft.train import snapshot
+
+    real_write = snapshot.SnapshotFolder.write_with
+
+    def slow_write(self: snapshot.SnapshotFolder, *args: Any) -> None:
+        time.sleep(0.2)
+        real_write(self, *args)
+
+    monkeypatch.setattr(snapshot.SnapshotFolder, "write_with", slow_write)
+    snapshots = snapshot.MemorySnapshots(str(tmp_path / "shm"))
+    for step in range(1, 120):
+        time.sleep(0.01)
+        snapshots.after_step(step, lambda: {"w": torch.ones(2)}, dict)
+    snapshots.flush()
+    assert 40 <= snapshots.every <= 60, snapshots.every
+    assert max(snapshots.recent_costs) < 0.05, snapshots.recent_costs

@@ -4,15 +4,18 @@ never a live agent's, another user's, or a lockless folder still in use."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import pytest
 
 from slurmft.agent.snapshot_dirs import (
+    LOCK_NAME,
     LOCKLESS_AFTER_S,
     HeldSnapshotDir,
     SnapshotDirBusy,
@@ -43,6 +46,19 @@ def holder(path: Path) -> subprocess.Popen[str]:
     )
     assert process.stdout is not None and process.stdout.readline() == "held\n"
     return process
+
+
+def locked(folder: Path) -> bool:
+    """Whether a live process holds ``folder``'s lock (flock: per open file, so this process's
+    own lock counts too)."""
+    fd = os.open(folder / LOCK_NAME, os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
 
 
 def test_a_killed_agents_folder_is_swept_and_a_live_agents_is_not(tmp_path: Path) -> None:
@@ -111,3 +127,47 @@ def test_a_link_in_the_folders_place_is_not_followed(tmp_path: Path) -> None:
     agent_folder(tmp_path, "link").symlink_to(target)
     assert sweep_orphans(tmp_path, UID) == []
     assert (target / "precious").read_text() == "keep"
+
+
+def test_an_agent_sweeps_at_its_start_holds_its_folder_for_its_life_and_removes_it(
+    tmp_path: Path,
+) -> None:
+    """The agent's own wiring (`NodeAgent.run`): a dead agent's folder beside its own goes
+    before anything else runs, a live agent's stays, its own is held (locked) while it runs,
+    and removed when it ends, here by a preflight that fails."""
+    from slurmft.agent.agent import AgentSettings, NodeAgent
+    from slurmft.agent.command import TorchrunSpec
+    from slurmft.agent.exits import AgentExit
+    from slurmft.agent.probe import NoGpuProbe
+
+    spec = TorchrunSpec(nodes=1, nproc_per_node=1, rdzv_endpoint="127.0.0.1:1", rdzv_id="r",
+                        script=("/nonexistent/train.py",))  # fmt: skip
+    settings = AgentSettings(spec=spec, node="n1", run_id="r",
+                             work_dir=tmp_path / f"w{uuid.uuid4().hex[:12]}",
+                             controller_url="http://127.0.0.1:9")  # fmt: skip
+    node = NodeAgent(settings, NoGpuProbe())
+    node.reporter = None  # nothing to report to
+    mine = settings.snapshot_dir
+    tag = uuid.uuid4().hex[:12]
+    dead = agent_folder(mine.parent, f"dead-{tag}")
+    live = agent_folder(mine.parent, f"live-{tag}")
+    killed, alive = holder(dead), holder(live)
+    killed.kill()
+    killed.wait(timeout=30)
+    seen: dict[str, bool] = {}
+
+    def preflight() -> bool:
+        seen["dead swept"] = not dead.exists()
+        seen["live kept"] = live.is_dir()
+        seen["mine held"] = mine.is_dir() and locked(mine)
+        return False
+
+    node.preflight = preflight  # type: ignore[method-assign]
+    try:
+        assert node.run() is AgentExit.PREFLIGHT_FAILED
+    finally:
+        alive.kill()
+        alive.wait(timeout=30)
+        sweep_orphans(mine.parent, UID)
+    assert seen == {"dead swept": True, "live kept": True, "mine held": True}
+    assert not mine.exists()

@@ -45,10 +45,19 @@ def test_a_damaged_newest_snapshot_falls_back_to_the_one_before_and_says_why(
 
 
 @pytest.mark.parametrize(
-    ("snapshot_s", "step_s", "every"),
-    [(0.003, 0.1, 1), (0.01, 0.1, 4), (0.3, 0.1, 100), (0.0, 0.1, 1), (0.1, 0.0, 1)],
+    ("snapshot_s", "step_s", "write_s", "every"),
+    [
+        (0.0015, 0.1, 0.0, 1),
+        (0.01, 0.1, 0.0, 7),  # 10 ms every 7 steps of 100 ms: 1.4 %
+        (0.3, 0.1, 0.0, 200),
+        (0.0, 0.1, 0.0, 1),
+        (0.1, 0.0, 0.0, 1),
+        (0.01, 0.1, 0.45, 9),  # the write takes 4.5 steps: half of 9
+        (0.0, 0.1, 0.005, 1),  # a write well within a step
+        (0.3, 0.1, 0.45, 200),
+    ],
 )
-def test_a_snapshot_costs_at_most_three_percent_of_the_steps_between_two(
-    snapshot_s: float, step_s: float, every: int
+def test_a_snapshot_costs_half_the_budget_and_writes_never_overlap(
+    snapshot_s: float, step_s: float, write_s: float, every: int
 ) -> None:
-    assert snapshot_every(snapshot_s, step_s) == every
+    assert snapshot_every(snapshot_s, step_s, write_s=write_s) == every
