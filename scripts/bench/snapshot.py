@@ -133,8 +133,10 @@ def measure_size(size_mb: int, folder: Path, pairs: int, max_compare_s: float) -
         blocks += [took_with, took_without]
     loop_wait_s = statistics.median(loop_waits[-3:])
     pair_pct = [100 * (w / wo - 1) for w, wo in zip(blocks[::2], blocks[1::2], strict=True)]
-    print(f"  K={every}: {len(blocks) // 2} pairs of blocks, slower with snapshots by "
-          f"{', '.join(f'{pct:.1f} %' for pct in pair_pct)}", flush=True)
+    spread = statistics.stdev(pair_pct) / math.sqrt(len(pair_pct)) if len(pair_pct) > 1 else 0
+    print(f"  K={every}, {block_steps} steps a block: {len(pair_pct)} pairs, slower with "
+          f"snapshots by {', '.join(f'{pct:.1f} %' for pct in pair_pct)} (mean "
+          f"{statistics.mean(pair_pct):.1f} %, standard error {spread:.1f})", flush=True)
     return {
         "state_mb": state_bytes / 2**20,
         "step_s": step_s,
