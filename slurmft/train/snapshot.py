@@ -33,7 +33,7 @@ middle of a write leaves a partial file that is never read: the snapshot before 
 
 K is chosen from the measured cost: the time the loop waited (not counting a wait for the write
 before), plus what the steps lost while the write went on beside them (on a CPU it shares the
-cores and memory bandwidth), the largest of the last three. At each snapshot K is the smallest
+cores and memory bandwidth), the median of the last five. At each snapshot K is the smallest
 number of steps whose time that cost is at most AIM (half) of `budget` (3 %) of, given the
 median step without a write beside it, and such that the last write took at most AIM of the
 time between two, so the writes never queue behind each other. The numbers come from every rank
@@ -77,9 +77,11 @@ BUDGET = 0.03
 # the loop ran 3.8 % and 2.5 % slower; at two thirds of it, 1.6 % and 3.0 %.
 AIM = 1 / 2
 KEEP = 2
-# K is taken from the largest of a rank's last few waits: from the last one alone, a wait
-# shorter than usual picked a K that then cost more than the budget (measured: 3.8 %).
-RECENT_COSTS = 3
+# K is taken from the median of a rank's last few costs: a cost is measured on the steps beside
+# the write, whose time varies by more than a small snapshot costs (a 100 ms step by +-5 ms, a
+# step that writes a durable checkpoint by tens of ms), and one such step beside a write is not
+# what the write cost. (The largest of the last three made K 5 where 1 or 2 kept the budget.)
+RECENT_COSTS = 5
 SCHEMA = 1
 # Each rank's gathered record (RNG state and costs, JSON) travels in a fixed-size slot: its
 # length first, then the bytes. The slot is sized at the first snapshot (every rank agrees on
@@ -326,11 +328,12 @@ class MemorySnapshots:
         self.last_step_at: float | None = None
         self.last_cost_s = 0.0  # the loop's last wait
         # A snapshot's whole cost: the loop's wait, plus what the steps lost while its write
-        # went on beside them (on a CPU it shares the cores and the GIL; on a GPU next to
-        # nothing). Known once the write is done; K is taken from the largest of the last few.
+        # went on beside them (on a CPU it shares the cores and memory bandwidth; on a GPU
+        # next to nothing). Known once the write is done; K is taken from the median of the
+        # last few.
         self.recent_costs: list[float] = []
         self._unsettled_wait: float | None = None
-        self._slowed_s = 0.0
+        self._beside_write: list[float] = []  # the steps beside the last write
         self._blocked_s = 0.0  # the last snapshot's wait for the write before it
         self._write_s = 0.0  # the last write's duration, copy to rename (0: none done here)
         self._writing = False
@@ -366,7 +369,7 @@ class MemorySnapshots:
         # The first pays once for the buffers and the slot size: not K's business. Nor is the
         # wait for the previous write: K keeps the writes apart (from their duration).
         self._unsettled_wait = None if first else self.last_cost_s - self._blocked_s
-        self._slowed_s = 0.0
+        self._beside_write = []
         self._writing = self._pending_write is not None
         self.last_step_at = time.monotonic()  # the snapshot is not the next step's time
         return True
@@ -376,9 +379,19 @@ class MemorySnapshots:
             self.step_times = [*self.step_times[-49:], took]
             return
         self.writing_step_times = [*self.writing_step_times[-49:], took]
-        self._slowed_s += max(0.0, took - self._step_s())
+        self._beside_write.append(took)
         if self._pending_write is None or self._pending_write.done():
             self._writing = False
+
+    def _slowed_s(self) -> float:
+        """What the steps beside the last write lost: their time over the median step without
+        a write beside it, signed, so a step's own spread evens out in the median of the costs
+        K is taken from (counting only the slower steps made that spread a cost of its own).
+        The median, as the costs': a mean step would hold the durable checkpoints' steps."""
+        if not self._beside_write:
+            return 0.0
+        typical = self._step_s()
+        return sum(took - typical for took in self._beside_write)
 
     def _step_s(self) -> float:
         """The median step with no write beside it (with always one: the median step)."""
@@ -393,7 +406,7 @@ class MemorySnapshots:
         self.flush()
         self._blocked_s = time.monotonic() - blocked_from
         if self._unsettled_wait is not None:  # the previous snapshot's write is done now
-            cost_s = self._unsettled_wait + self._slowed_s
+            cost_s = max(0.0, self._unsettled_wait + self._slowed_s())
             self.recent_costs = [*self.recent_costs[-(RECENT_COSTS - 1) :], cost_s]
             self._unsettled_wait = None
         previous, self._pending_gather = self._pending_gather, None
@@ -404,7 +417,7 @@ class MemorySnapshots:
             # Every rank, before any collective: one refusing alone would leave the others
             # waiting in the gather. The state's structure does not change between snapshots.
             check_replicated(state)
-        cost_s = max(self.recent_costs, default=0.0)
+        cost_s = statistics.median(self.recent_costs) if self.recent_costs else 0.0
         record = {"rng": capture_rng_state(), "cost_s": cost_s, "step_s": step_s,
                   "write_s": self._write_s}  # fmt: skip
         if not self._slot:

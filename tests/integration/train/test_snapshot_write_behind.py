@@ -205,3 +205,29 @@ def test_k_keeps_the_writes_apart_and_is_not_inflated_by_their_overlap(
     snapshots.flush()
     assert 40 <= snapshots.every <= 60, snapshots.every
     assert max(snapshots.recent_costs) < 0.05, snapshots.recent_costs
+
+
+def test_a_slow_step_that_is_not_the_writes_doing_does_not_set_k(
+    tmp_path: Path, world_of_one: None
+) -> None:
+    """A step that writes a durable checkpoint (here every 7th, 100 ms against 20 ms) now and
+    then lands beside a snapshot's write. K follows the snapshots' typical cost (a 3 ms wait:
+    about 10 steps of 20 ms at half of 3 %), not that step: taken from the largest of the last
+    costs, one such step sent K to hundreds."""
+    import torch
+
+    from slurmft.train.snapshot import MemorySnapshots
+
+    def state() -> dict[str, Any]:
+        time.sleep(0.003)
+        return {"w": torch.ones(2)}
+
+    snapshots = MemorySnapshots(str(tmp_path / "shm"))
+    ks = []
+    for step in range(1, 200):
+        time.sleep(0.1 if step % 7 == 0 else 0.02)
+        if snapshots.after_step(step, state, dict):
+            ks.append(snapshots.every)
+    snapshots.flush()
+    assert 8 <= snapshots.every <= 20, ks
+    assert max(ks[5:]) <= 25, ks
