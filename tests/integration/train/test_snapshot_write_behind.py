@@ -229,5 +229,7 @@ def test_a_slow_step_that_is_not_the_writes_doing_does_not_set_k(
         if snapshots.after_step(step, state, dict):
             ks.append(snapshots.every)
     snapshots.flush()
-    assert 8 <= snapshots.every <= 20, ks
-    assert max(ks[5:]) <= 25, ks
+    # Under load a 3 ms wait takes longer: room up to 3 and 6 times the quiet K, far below
+    # the hundreds a durable step set it to.
+    assert 8 <= snapshots.every <= 30, ks
+    assert max(ks[5:]) <= 60, ks
