@@ -33,7 +33,7 @@ middle of a write leaves a partial file that is never read: the snapshot before 
 
 K is chosen from the measured cost: the time the loop waited (not counting a wait for the write
 before), plus what the steps lost while the write went on beside them (on a CPU it shares the
-cores and memory bandwidth), the median of the last five. At each snapshot K is the smallest
+cores and memory bandwidth), the mean of the last twenty. At each snapshot K is the smallest
 number of steps whose time that cost is at most AIM (half) of `budget` (3 %) of, given the
 median step without a write beside it, and such that the last write took at most AIM of the
 time between two, so the writes never queue behind each other. The numbers come from every rank
@@ -77,11 +77,15 @@ BUDGET = 0.03
 # the loop ran 3.8 % and 2.5 % slower; at two thirds of it, 1.6 % and 3.0 %.
 AIM = 1 / 2
 KEEP = 2
-# K is taken from the median of a rank's last few costs: a cost is measured on the steps beside
-# the write, whose time varies by more than a small snapshot costs (a 100 ms step by +-5 ms, a
-# step that writes a durable checkpoint by tens of ms), and one such step beside a write is not
-# what the write cost. (The largest of the last three made K 5 where 1 or 2 kept the budget.)
-RECENT_COSTS = 5
+# K is taken from the mean of a rank's last few costs, each the wait plus the signed loss of the
+# steps beside the write against the mean step without one. The steps' own spread (a 100 ms
+# step varies by +-5 ms; one that writes a durable checkpoint takes tens of ms more) lands beside
+# a write as often as not, so it evens out in the mean, over enough snapshots; a write's cost
+# has a long tail (a 256 MB write now and then slows its step by 50 ms, not 10), which a median
+# would drop. The loss's mean is taken as at least 0: a write does not speed steps up.
+# Measured: the largest of the last three made K 5 for a tiny model where 1 or 2 kept the
+# budget; the median of the last five made it 15 for 256 MB, where the loop then ran 5.5 % slower.
+RECENT_COSTS = 20
 SCHEMA = 1
 # Each rank's gathered record (RNG state and costs, JSON) travels in a fixed-size slot: its
 # length first, then the bytes. The slot is sized at the first snapshot (every rank agrees on
@@ -329,9 +333,10 @@ class MemorySnapshots:
         self.last_cost_s = 0.0  # the loop's last wait
         # A snapshot's whole cost: the loop's wait, plus what the steps lost while its write
         # went on beside them (on a CPU it shares the cores and memory bandwidth; on a GPU
-        # next to nothing). Known once the write is done; K is taken from the median of the
-        # last few.
+        # next to nothing). Known once the write is done; K is taken from the mean of the last
+        # few.
         self.recent_costs: list[float] = []
+        self.recent_waits: list[float] = []  # the same snapshots' waits
         self._unsettled_wait: float | None = None
         self._beside_write: list[float] = []  # the steps beside the last write
         self._blocked_s = 0.0  # the last snapshot's wait for the write before it
@@ -383,15 +388,21 @@ class MemorySnapshots:
         if self._pending_write is None or self._pending_write.done():
             self._writing = False
 
-    def _slowed_s(self) -> float:
-        """What the steps beside the last write lost: their time over the median step without
-        a write beside it, signed, so a step's own spread evens out in the median of the costs
-        K is taken from (counting only the slower steps made that spread a cost of its own).
-        The median, as the costs': a mean step would hold the durable checkpoints' steps."""
-        if not self._beside_write:
+    def _typical_cost_s(self) -> float:
+        """The mean of the recent costs, at least the mean of their waits (see RECENT_COSTS)."""
+        if not self.recent_costs:
             return 0.0
-        typical = self._step_s()
-        return sum(took - typical for took in self._beside_write)
+        return max(statistics.fmean(self.recent_waits), statistics.fmean(self.recent_costs))
+
+    def _slowed_s(self) -> float:
+        """What the steps beside the last write lost: their time over the mean step without a
+        write beside it, signed, so a step's own spread evens out in the mean of the costs K is
+        taken from (counting only the slower steps made that spread a cost of its own)."""
+        base = self.step_times or self.writing_step_times
+        if not self._beside_write or not base:
+            return 0.0
+        mean = statistics.fmean(base)
+        return sum(took - mean for took in self._beside_write)
 
     def _step_s(self) -> float:
         """The median step with no write beside it (with always one: the median step)."""
@@ -406,8 +417,9 @@ class MemorySnapshots:
         self.flush()
         self._blocked_s = time.monotonic() - blocked_from
         if self._unsettled_wait is not None:  # the previous snapshot's write is done now
-            cost_s = max(0.0, self._unsettled_wait + self._slowed_s())
+            cost_s = self._unsettled_wait + self._slowed_s()  # below the wait at times: see above
             self.recent_costs = [*self.recent_costs[-(RECENT_COSTS - 1) :], cost_s]
+            self.recent_waits = [*self.recent_waits[-(RECENT_COSTS - 1) :], self._unsettled_wait]
             self._unsettled_wait = None
         previous, self._pending_gather = self._pending_gather, None
         if previous is not None and not self.fixed_every:
@@ -417,7 +429,7 @@ class MemorySnapshots:
             # Every rank, before any collective: one refusing alone would leave the others
             # waiting in the gather. The state's structure does not change between snapshots.
             check_replicated(state)
-        cost_s = statistics.median(self.recent_costs) if self.recent_costs else 0.0
+        cost_s = self._typical_cost_s()
         record = {"rng": capture_rng_state(), "cost_s": cost_s, "step_s": step_s,
                   "write_s": self._write_s}  # fmt: skip
         if not self._slot:
