@@ -136,7 +136,8 @@ def measure_size(size_mb: int, folder: Path, pairs: int, max_compare_s: float) -
     spread = statistics.stdev(pair_pct) / math.sqrt(len(pair_pct)) if len(pair_pct) > 1 else 0
     print(f"  K={every}, {block_steps} steps a block: {len(pair_pct)} pairs, slower with "
           f"snapshots by {', '.join(f'{pct:.1f} %' for pct in pair_pct)} (mean "
-          f"{statistics.mean(pair_pct):.1f} %, standard error {spread:.1f})", flush=True)
+          f"{statistics.mean(pair_pct):.1f} %, standard error {spread:.1f}; median "
+          f"{statistics.median(pair_pct):.1f} %)", flush=True)
     return {
         "state_mb": state_bytes / 2**20,
         "step_s": step_s,

@@ -71,10 +71,9 @@ from slurmft.train.rng import capture_rng_state
 log = logging.getLogger(__name__)
 
 BUDGET = 0.03
-# K aims at half the budget, as a bound is kept: a snapshot's cost (the wait, the steps slowed
-# beside its write) varies by a quarter between snapshots, and is measured against steps whose
-# time varies by a few percent anyway. Measured, 256 MB on two cores: aimed at the whole budget,
-# the loop ran 3.8 % and 2.5 % slower; at two thirds of it, 1.6 % and 3.0 %.
+# K aims at half the budget, as a bound is kept: a snapshot's cost varies from one to the next,
+# and is measured against steps whose time varies by a few percent anyway. Measured, 256 MB on
+# two cores: aimed at the whole budget, the loop ran over it in about half the measurements.
 AIM = 1 / 2
 KEEP = 2
 # K is taken from the mean of a rank's last few costs, each the wait plus the signed loss of the
