@@ -122,6 +122,32 @@ def test_a_failed_write_is_reported_and_training_goes_on(
     assert snapshots.after_step(2, lambda: {"w": torch.ones(2)}, dict)
 
 
+def test_a_full_tmpfs_while_the_state_is_serialized_costs_that_snapshot_only(
+    tmp_path: Path, world_of_one: None
+) -> None:
+    """torch.save into a file that cannot grow (here /dev/full: ENOSPC, as a full tmpfs) raises
+    a RuntimeError, not an OSError: the snapshot is reported lost, its partial file goes (in
+    tmpfs it holds RAM), and training and the next snapshot go on."""
+    import torch
+
+    from slurmft.train import snapshot
+
+    folder = tmp_path / "shm"
+    snapshots = snapshot.MemorySnapshots(str(folder), every=1)
+    snapshots.after_step(1, lambda: {"w": torch.ones(1000)}, dict)
+    snapshots.flush()
+    partial = folder / ".step-000000002.pt.partial"
+    partial.symlink_to("/dev/full")
+    assert snapshots.after_step(2, lambda: {"w": torch.ones(1000)}, dict)
+    snapshots.flush()
+    assert "snapshot of step 2 not written" in snapshots.last_error
+    assert not partial.is_symlink() and not partial.exists()
+    assert snapshot.SnapshotFolder(folder).steps() == [1]
+    snapshots.after_step(3, lambda: {"w": torch.ones(1000)}, dict)
+    snapshots.flush()
+    assert snapshots.last_error == "" and snapshot.SnapshotFolder(folder).steps() == [3, 1]
+
+
 def test_fsdp_state_is_refused_before_any_collective(tmp_path: Path, world_of_one: None) -> None:
     """FSDP2 on the CPU: its state dict holds DTensors, each rank's shard on its node alone, so
     a lost node's snapshot would go with it. Every rank refuses at the first snapshot, before
