@@ -106,8 +106,11 @@ def test_a_save_request_makes_every_rank_save_at_one_step(tmp_path: Path) -> Non
     )
     assert run.returncode == 0, run.output[-4000:]
     saved = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=False)
-    # One save, at the step boundary after the request, with both ranks' state in it.
-    assert requested_after < saved["global_step"] <= requested_after + 3
+    # One save, at the step boundary after the request, with both ranks' state in it. The
+    # example writes a step's loss in its forward, before the ranks exchange their requests
+    # after it (`on_before_backward`): a request made on seeing step N's loss may be agreed in
+    # step N itself, and saved at its end (seen once in a loaded run of the suite).
+    assert requested_after <= saved["global_step"] <= requested_after + 3
     assert len(saved[STATE_KEY]["rng"]) == 2
     # Lightning's own checkpoint wrote only at the end of training (every 1,000 steps), beside
     # it: ModelCheckpoint names its `last` last-v1.ckpt, and `ckpt_path="last"` takes the newest.
