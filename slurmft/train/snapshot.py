@@ -401,16 +401,21 @@ class MemorySnapshots:
         """What the steps beside the last write lost: their time over the mean step without a
         write beside it, signed, so a step's own spread evens out in the mean of the costs K is
         taken from (counting only the slower steps made that spread a cost of its own)."""
-        base = self.step_times or self.writing_step_times
+        base = self._base_step_times()
         if not self._beside_write or not base:
             return 0.0
         mean = statistics.fmean(base)
         return sum(took - mean for took in self._beside_write)
 
     def _step_s(self) -> float:
-        """The median step with no write beside it (with always one: the median step)."""
-        times = self.step_times or self.writing_step_times
+        """The median step with no write beside it."""
+        times = self._base_step_times()
         return statistics.median(times) if times else 0.0
+
+    def _base_step_times(self) -> list[float]:
+        """The recent steps with no write beside them; while every step has one (K = 1, or
+        writes longer than K steps), the steps beside the writes."""
+        return self.step_times or self.writing_step_times
 
     def save(self, step: int, state: dict[str, Any], resume: dict[str, Any]) -> None:
         """Collective: waits for the previous snapshot, takes K from what the previous gather
