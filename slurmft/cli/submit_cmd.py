@@ -167,7 +167,7 @@ def submit(  # noqa: PLR0917 (typer: one parameter per option)
         typer.Option(
             help="The interpreter the job runs slurmft, torchrun and the workers with. "
             "Default: the active venv's (VIRTUAL_ENV) or conda env's (CONDA_PREFIX), "
-            "else slurmft's own; checked here to import slurmft.train and torch."
+            "else slurmft's own; checked here to import slurmft.train and to have torch."
         ),
     ] = None,
     container_image: Annotated[

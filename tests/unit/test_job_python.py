@@ -21,18 +21,59 @@ def test_a_missing_interpreter_is_refused_with_what_to_do(tmp_path: Path) -> Non
         check_python(str(tmp_path / "venv" / "bin" / "python"))
 
 
+def _stand_in_slurmft(site: Path) -> Path:
+    """A site folder whose slurmft.train imports (an empty stand-in)."""
+    (site / "slurmft").mkdir(parents=True)
+    (site / "slurmft" / "__init__.py").write_text("")
+    (site / "slurmft" / "train.py").write_text("")
+    return site
+
+
 def test_an_interpreter_without_torch_is_refused_with_the_install_line(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A Python that imports slurmft.train (here a stand-in package) but has no torch."""
-    package = tmp_path / "site" / "slurmft"
-    package.mkdir(parents=True)
-    (package / "__init__.py").write_text("")
-    (package / "train.py").write_text("")
-    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "site"))
+    monkeypatch.setenv("PYTHONPATH", str(_stand_in_slurmft(tmp_path / "site")))
     bare = "/usr/bin/python3"
     with pytest.raises(SpecError, match=r"No module named 'torch'.*-m pip install torch"):
         check_python(bare)
+
+
+def _stand_in_torch(site: Path, version: str | None) -> None:
+    """A torch package that fails when imported, with package metadata when ``version``."""
+    (site / "torch").mkdir(parents=True)
+    (site / "torch" / "__init__.py").write_text(
+        "__version__ = '0.0.1'\nif __import__('os').environ.get('STAND_IN_TORCH_FAILS'):\n"
+        "    raise RuntimeError('stand-in torch imported')\n"
+    )
+    if version is not None:
+        info = site / f"torch-{version}.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: torch\nVersion: {version}\n")
+
+
+def test_torch_is_found_by_its_metadata_not_imported(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The check never pays for `import torch` (seconds of CPU; far more from a network
+    filesystem): a torch whose import would fail is reported by its package metadata."""
+    site = _stand_in_slurmft(tmp_path / "site")
+    _stand_in_torch(site, "9.9.9+site")
+    monkeypatch.setenv("PYTHONPATH", str(site))
+    monkeypatch.setenv("STAND_IN_TORCH_FAILS", "1")
+    assert check_python("/usr/bin/python3").torch == "9.9.9+site"
+
+
+def test_a_torch_without_metadata_is_imported_for_its_version(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    site = _stand_in_slurmft(tmp_path / "site")
+    _stand_in_torch(site, None)
+    monkeypatch.setenv("PYTHONPATH", str(site))
+    assert check_python("/usr/bin/python3").torch == "0.0.1"
+    monkeypatch.setenv("STAND_IN_TORCH_FAILS", "1")
+    with pytest.raises(SpecError, match="stand-in torch imported"):
+        check_python("/usr/bin/python3")
 
 
 def test_an_interpreter_without_slurmft_is_told_to_install_it(
