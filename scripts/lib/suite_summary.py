@@ -1,10 +1,12 @@
 """The closing lines of `scripts/test`: both pytest phases added up, and the suite's time budget.
 
 Usage (scripts/test calls it):
-    suite_summary.py --budget-s 2700 --wall-s 812 \\
+    suite_summary.py --budget-s 2700 --wall-s 812 [--cpu-at-start "$(head -1 /proc/stat)"] \\
         --phase parallel RC results/parallel.xml --phase serial RC results/serial.xml
 
-Prints one line per phase, the wall time against the budget, and last a plain closing line
+Prints one line per phase, the wall time against the budget, the CPU time the machine was busy
+for meanwhile (from /proc/stat: Slurm, PostgreSQL and every process the tests start, counted;
+what decides the suite's wall time on two cores), and last a plain closing line
 `suite: N passed, N failed, N skipped` for the whole suite. Exits 0 only when every phase passed
 (pytest's exit 5, "no tests collected", is fine for one phase while another ran tests), the suite
 ran at least one test, and it stayed inside the budget.
@@ -13,6 +15,7 @@ ran at least one test, and it stayed inside the budget.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass
@@ -52,10 +55,20 @@ def read_junit(path: Path) -> Counts:
     return total
 
 
+def busy_cpu_s(start: str, end: str) -> float:
+    """CPU seconds the machine was busy between two first lines of /proc/stat ("cpu  user nice
+    system idle iowait irq softirq steal ..." in clock ticks): all but idle and iowait."""
+    before, after = (list(map(int, line.split()[1:])) for line in (start, end))
+    spent = [b - a for a, b in zip(before, after, strict=True)]
+    ticks = os.sysconf("SC_CLK_TCK")
+    return (sum(spent) - spent[3] - spent[4]) / ticks
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--budget-s", type=float, required=True)
     parser.add_argument("--wall-s", type=float, required=True)
+    parser.add_argument("--cpu-at-start", help="the first line of /proc/stat when the suite began")
     parser.add_argument("--phase", nargs=3, action="append", metavar=("NAME", "RC", "JUNIT"))
     args = parser.parse_args(argv)
 
@@ -78,6 +91,10 @@ def main(argv: list[str]) -> int:
         f"suite wall time {args.wall_s:.0f} s of a {args.budget_s:.0f} s budget"
         + ("" if within else ": OVER BUDGET (docs/testing.md says what to do)")
     )
+    if args.cpu_at_start:
+        cpu_s = busy_cpu_s(args.cpu_at_start, Path("/proc/stat").read_text().splitlines()[0])
+        cores = cpu_s / args.wall_s if args.wall_s > 0 else 0.0
+        print(f"suite CPU time {cpu_s:.0f} s, the whole machine's ({cores:.2f} cores on average)")
     print(f"suite: {total.line()}")
     return 0 if ok and within else 1
 

@@ -84,3 +84,21 @@ def test_over_the_budget_fails_even_when_every_test_passed(
 ) -> None:
     assert run(tmp_path, ("parallel", 0, {"tests": 5}), wall_s=101) == 1
     assert "OVER BUDGET" in capsys.readouterr().out
+
+
+def test_the_cpu_time_is_the_machines_busy_time_since_the_start(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """From the first line of /proc/stat at the start to now: every field but idle and
+    iowait, in clock ticks."""
+    summary = load()
+    ticks = summary.os.sysconf("SC_CLK_TCK")
+    start = "cpu  100 0 50 9000 7 0 0 0 0 0"
+    end = f"cpu  {100 + 3 * ticks} 0 {50 + ticks} {9000 + 40 * ticks} {7 + 5 * ticks} 0 0 0 0 0"
+    assert summary.busy_cpu_s(start, end) == pytest.approx(4.0)
+    argv = ["--budget-s", "100", "--wall-s", "10", "--cpu-at-start", start,
+            "--phase", "serial", "0", junit(tmp_path / "serial.xml", tests=1)]  # fmt: skip
+    assert summary.main(argv) == 0
+    (line,) = [x for x in capsys.readouterr().out.splitlines() if x.startswith("suite CPU")]
+    now = Path("/proc/stat").read_text().splitlines()[0]
+    assert int(line.split()[3]) == pytest.approx(summary.busy_cpu_s(start, now), abs=2)

@@ -263,7 +263,8 @@ def test_a_plain_scripts_failure_gets_an_estimate_near_the_truth(
     so) from the failure's report, its ranks' restart and its checkpoint files, within
     max(5 s, 25 %) of what its own step log says."""
     plain = str(Path(__file__).parents[3] / "slurmft" / "train" / "examples" / "plain.py")
-    argv = [plain, "--ckpt-dir", "{ckpt}", "--out-dir", "{out}", "--steps", "200",
+    # 100 steps: the strike lands near step 50, and the run then replays from 30 and ends.
+    argv = [plain, "--ckpt-dir", "{ckpt}", "--out-dir", "{out}", "--steps", "100",
             "--ckpt-every", str(PLAIN_CKPT_EVERY), "--work-ms", "300",
             "--pg-timeout-s", "30"]  # fmt: skip
     run = submit(cluster, daemon, tmp_path, argv, name="plain-goodput")
