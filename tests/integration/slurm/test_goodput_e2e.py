@@ -44,11 +44,12 @@ pytestmark = [pytest.mark.slurm, pytest.mark.torch, pytest.mark.serial]
 # Each failure is struck late in a checkpoint interval, so that its replay, with its detection
 # and restart, costs over 15 s (the cheapest case this test means to measure). A node kill
 # recovers in a few seconds (warm workers, the dead-peer detector): the replay is most of it,
-# 42 steps of 0.3 s at least.
+# 42 steps of 0.3 s at least. The strikes land near steps 44, 94 and 144 (each after the last
+# one's recovery): 200 steps leave the run some 55 after the last.
 CKPT_EVERY, STRIKE_FROM = 50, 42
 EXAMPLE = [
     "-m", "slurmft.train.examples.tiny", "--ckpt-dir", "{ckpt}", "--out-dir", "{out}",
-    "--steps", "320", "--ckpt-every", str(CKPT_EVERY), "--work-ms", "300",
+    "--steps", "200", "--ckpt-every", str(CKPT_EVERY), "--work-ms", "300",
     "--heartbeat-interval-s", "1", "--pg-timeout-s", "30",
 ]  # fmt: skip
 OUTAGES = (EventKind.NODE_LOST, EventKind.HANG, EventKind.BATCH_HOST_DOWN)
