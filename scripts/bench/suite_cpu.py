@@ -34,6 +34,10 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
+# The machine's busy time, counted as scripts/test's closing lines count it.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lib"))
+from suite_summary import busy_cpu_s
+
 SAMPLE_S = 0.5
 # A process's kind: the first pattern its command line matches.
 KINDS = (
@@ -125,19 +129,23 @@ def classify(records: list[Record], lines: CommandLines) -> list[tuple[Record, s
         older = [p for p in by_pid[record.ppid] if p.began <= record.began + 1]
         return older[-1] if older else None
 
+    def above(record: Record, depth: int) -> tuple[str, str]:
+        up = parent(record) if depth < 8 else None
+        return name(up, depth + 1) if up is not None else ("", "")
+
     def name(record: Record, depth: int = 0) -> tuple[str, str]:
         if id(record) not in memo:
             command = lines.of(record)
-            up = parent(record) if depth < 8 else None
-            above = name(up, depth + 1) if up is not None else ("", "")
             if command is None:
-                kind = above[0] if record.forked and above[0] else f"unnamed: {record.name}"
-                memo[id(record)] = (kind, above[1])
+                kind, in_test = above(record, depth)
+                if not (record.forked and kind):
+                    kind = f"unnamed: {record.name}"
+                memo[id(record)] = (kind, in_test)
             else:
-                test = TEST_FOLDER.search(command)
                 # A fork keeps its parent's command line: a warm worker shows its zygote's.
                 kind = kind_of(command) + (", forked" if record.forked else "")
-                memo[id(record)] = (kind, test.group(1) if test else above[1])
+                test = TEST_FOLDER.search(command)
+                memo[id(record)] = (kind, test.group(1) if test else above(record, depth)[1])
         return memo[id(record)]
 
     return [(record, *name(record)) for record in records]
@@ -150,13 +158,8 @@ def table(title: str, spent: dict[str, float], top: int) -> None:
         print(f"{seconds:9.1f} s {100 * seconds / total:5.1f} %  {key or '(no test)'}")
 
 
-def busy_s(start: list[int], end: list[int]) -> float:
-    spent = [b - a for a, b in zip(start, end, strict=True)]
-    return (sum(spent) - spent[3] - spent[4]) / os.sysconf("SC_CLK_TCK")
-
-
-def proc_stat() -> list[int]:
-    return list(map(int, Path("/proc/stat").read_text().splitlines()[0].split()[1:]))
+def proc_stat() -> str:
+    return Path("/proc/stat").read_text().splitlines()[0]
 
 
 def main(argv: list[str]) -> int:
@@ -185,7 +188,7 @@ def main(argv: list[str]) -> int:
             subprocess.run(["accton", "off"], check=False, capture_output=True)
             lines.stop.set()
             sampler.join()
-        wall, busy = time.monotonic() - started, busy_s(stat, proc_stat())
+        wall, busy = time.monotonic() - started, busy_cpu_s(stat, proc_stat())
         named = classify(read_accounting(accounting), lines)
     kinds: defaultdict[str, float] = defaultdict(float)
     tests: defaultdict[str, float] = defaultdict(float)
