@@ -24,7 +24,7 @@ from typing import Any
 
 import msgspec
 
-from slurmft.agent.channel import RankChannelServer, RendezvousRound
+from slurmft.agent.channel import RankChannelServer, RendezvousRound, StoreHealth
 from slurmft.agent.clock import measure_skew
 from slurmft.agent.command import TorchrunSpec, launcher_argv, torchrun_env
 from slurmft.agent.evidence import EVENT_TEXT_LIMIT, dump_stacks, ensure_dir, is_stopped
@@ -123,6 +123,7 @@ class AgentState:
     restart_requested: str = ""  # a restart_workers command not yet carried out
     last_commanded_restart: float = float("-inf")
     gpu_checked_at: float = float("-inf")
+    store_failed: StoreHealth | None = None  # the launcher finds the store failing, since when
     # The reporter's thread sets a request while the main loop takes it: without the lock a
     # request set between the loop's read and its clearing was lost (and the controller had
     # already marked it delivered).
@@ -172,6 +173,7 @@ class NodeAgent:
         *,
         rank: int | None = None,
         fault_class: FaultClass | None = None,
+        occurred_at: float | None = None,
         **details: Any,
     ) -> None:
         log.info("%s: %s", kind.value, message)
@@ -179,7 +181,7 @@ class NodeAgent:
             self.reporter.add_event(
                 AgentEvent(
                     kind=kind,
-                    occurred_at=time.time(),
+                    occurred_at=time.time() if occurred_at is None else occurred_at,
                     message=message,
                     rank=rank,
                     fault_class=fault_class,
@@ -348,7 +350,28 @@ class NodeAgent:
             )
             return AgentExit.FENCED
         log.error("torchrun exited with %d", returncode)
+        if not self._stop.is_set():  # not the signal that stops this agent too (a requeue)
+            self._report_launcher_failed(returncode)
         return AgentExit.FAILED
+
+    def _report_launcher_failed(self, returncode: int) -> None:
+        """Told, not only logged: a requeued job's log is rewritten, and the daemon takes this
+        as the first sign of an outage no rank lived to report. Dated from the store's failure
+        when the launcher saw one (it exits a second or so after it)."""
+        failed = self.state.store_failed
+        if failed is None:
+            self.event(EventKind.LAUNCHER_FAILED, f"torchrun exited with {returncode}",
+                       exit_code=returncode)  # fmt: skip
+            return
+        self.event(
+            EventKind.LAUNCHER_FAILED,
+            f"torchrun exited with {returncode} after the rendezvous store failed "
+            f"({failed.error})",
+            occurred_at=failed.at,
+            exit_code=returncode,
+            store_error=failed.error,
+            exited_at=time.time(),
+        )
 
     def _stop_torchrun(self, process: subprocess.Popen[bytes]) -> None:
         """SIGTERM: torchrun stops its workers without closing the rendezvous (a closed
@@ -398,6 +421,9 @@ class NodeAgent:
             record = received
             if isinstance(record, RendezvousRound):
                 self._saw_round(record)
+                continue
+            if isinstance(record, StoreHealth):
+                self.state.store_failed = record if record.failed else None
                 continue
             if isinstance(record, RankHeartbeat):
                 if record.pid in self.state.killed_pids:

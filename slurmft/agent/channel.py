@@ -22,6 +22,10 @@ from slurmft.train.report import MAX_MESSAGE_BYTES, decode
 log = logging.getLogger(__name__)
 
 PEER_DEAD_MESSAGE = "peer_dead"
+# From this node's launcher (slurmft.agent.peer_detector): the rendezvous store stopped
+# answering, or answers again.
+STORE_FAILED_MESSAGE = "store_failed"
+STORE_BACK_MESSAGE = "store_back"
 # A burst of heartbeats from many local ranks must not overflow the kernel queue.
 RECEIVE_BUFFER_BYTES = 4 * 1024 * 1024
 
@@ -49,7 +53,19 @@ class RendezvousRound:
     at: float
 
 
-Record = RankHeartbeat | RankStepTime | AgentEvent | RendezvousRound
+@dataclass(frozen=True)
+class StoreHealth:
+    """The launcher found the rendezvous store failing (``failed``, with its error) or
+    answering again, at ``at``; for the agent alone: a store that fails and comes back (a
+    restart under its supervisor) is no event, but one whose failure ends torchrun dates that
+    failure."""
+
+    failed: bool
+    at: float
+    error: str = ""
+
+
+Record = RankHeartbeat | RankStepTime | AgentEvent | RendezvousRound | StoreHealth
 
 
 def _round_number(value: Any) -> int | None:
@@ -108,6 +124,10 @@ def to_record(message: dict[str, Any]) -> Record | None:
             raise ValueError("a round message without its round")
         previous = _round_number(message.get("previous"))
         return RendezvousRound(joined, previous, float(message["time"]))
+    if kind in (STORE_FAILED_MESSAGE, STORE_BACK_MESSAGE):
+        failed = kind == STORE_FAILED_MESSAGE
+        error = str(message.get("error", ""))[:500] if failed else ""
+        return StoreHealth(failed, float(message["time"]), error)
     if kind == PEER_DEAD_MESSAGE:  # from this node's launcher (slurmft.agent.peer_detector)
         return AgentEvent(
             kind=EventKind.PEER_DEAD,

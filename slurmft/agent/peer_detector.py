@@ -43,7 +43,7 @@ from types import ModuleType
 from typing import Any
 
 from slurmft.agent import procs
-from slurmft.agent.channel import PEER_DEAD_MESSAGE
+from slurmft.agent.channel import PEER_DEAD_MESSAGE, STORE_BACK_MESSAGE, STORE_FAILED_MESSAGE
 from slurmft.agent.peer_watch import (
     LEFT,
     PeerWatch,
@@ -137,11 +137,15 @@ class PeerDetector(threading.Thread):
                 self.poll(str(counter))
                 if self.failing_since:
                     self.say("peer detector: the rendezvous store answers again")
+                    self.tell(STORE_BACK_MESSAGE)
                 self.failing_since = 0.0
             except Exception as error:  # a store error is torch's to act on; keep watching
                 if not self.failing_since:
                     first_line = (str(error).splitlines() or [type(error).__name__])[0]
                     self.say(f"peer detector: the rendezvous store failed ({first_line})")
+                    # Its agent dates torchrun's failure, if one follows, from here: a dead
+                    # batch host takes the store along, and torchrun exits a second later.
+                    self.tell(STORE_FAILED_MESSAGE, error=first_line)
                     self.failing_since = started
             self.stopped.wait(max(0.0, self.settings.heartbeat_s - (time.monotonic() - started)))
 

@@ -33,8 +33,9 @@ log = logging.getLogger(__name__)
 
 SAMPLE_RANKS = 8
 # Earliest signs of an outage, besides its failure reports: a rank that saw its peer fail, a
-# launcher that declared a silent peer dead.
-PEER_SIGNS = (EventKind.COLLECTIVE_ERROR, EventKind.PEER_DEAD)
+# launcher that declared a silent peer dead, a node whose torchrun failed (a dead batch host's
+# store ends every other node's torchrun, at times before any rank reports).
+PEER_SIGNS = (EventKind.COLLECTIVE_ERROR, EventKind.PEER_DEAD, EventKind.LAUNCHER_FAILED)
 SIGN_KINDS = (*OUTAGE_KINDS, *PEER_SIGNS)
 SIGN_LEAD = timedelta(seconds=60)  # how long before a failure's report a peer may have seen it
 LOOK_BACK = timedelta(minutes=30)  # step completions read before the first unmeasured failure

@@ -58,6 +58,11 @@ class EventKind(enum.StrEnum):
     # This node was declared dead by its peers and ran again (a frozen node that thawed): its
     # launcher stopped everything below it before it could train or write, and its agent left.
     FENCED = "fenced"
+    # This node's torchrun ended with a failure code (not fenced, not a refused spare): training
+    # stopped here. Evidence, like collective_error: the cause is found elsewhere. A batch host
+    # that dies takes its rendezvous store with it, and every other node's torchrun exits within
+    # a second or two, often before any rank has reported the dead peer.
+    LAUNCHER_FAILED = "launcher_failed"
     RESTART = "restart"  # workers restarted (in place, spare joined, new step, requeue, new job)
     CHECKPOINT = "checkpoint"  # a verified checkpoint: progress
     # A rank's loss (or gradients) went non-finite (slurmft.train.numerical): re-run once in

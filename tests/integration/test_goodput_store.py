@@ -125,6 +125,38 @@ def test_a_node_loss_the_daemon_confirms_after_training_is_back_costs_what_its_p
         assert lost.lost_replay_s == pytest.approx(5, abs=0.05)
 
 
+def test_a_dead_batch_host_is_measured_from_the_other_nodes_failed_torchrun(
+    database: Database, seed_run: Callable[..., None]
+) -> None:
+    """A batch host that dies takes the rendezvous store with it: every other node's torchrun
+    exits a second or so later, at times before any rank reports the dead peer (seen on the
+    local cluster under load), and the daemon's own word (Slurm's, confirmed) comes seconds
+    after that. The outage is detected at the first failed torchrun, not at the daemon's word."""
+    seed_run(database, "rb", job_id="10", started_at=_t(-10), created_at=_t(-40))
+    with database.session() as s:
+        s.add_all([*_steps("rb", range(1, 101), 1.0), *_steps("rb", range(91, 141), 130.0)])
+        s.add_all([
+            Event(run_id="rb", kind=EventKind.LAUNCHER_FAILED, source="agent", node="n2",
+                  occurred_at=_t(101.1), message="torchrun exited with 1"),
+            Event(run_id="rb", kind=EventKind.LAUNCHER_FAILED, source="agent", node="n3",
+                  occurred_at=_t(101.4), message="torchrun exited with 1"),
+            Event(run_id="rb", kind=EventKind.BATCH_HOST_DOWN, node="n1", occurred_at=_t(104.5),
+                  fault_class=FaultClass.HARDWARE, message="batch host n1 is down",
+                  foreign=False),
+        ])  # fmt: skip
+    with database.session() as s:
+        (measured,) = measure_failures(s, _t(200))
+        assert (measured.kind, measured.reports) == (EventKind.BATCH_HOST_DOWN, 1)
+    with database.session() as s:
+        down = s.query(Event).filter_by(run_id="rb", kind=EventKind.BATCH_HOST_DOWN).one()
+        # S = 100 ended at 100 s, step 101 at 140 s, one step is 1 s: 39 s lost.
+        assert down.lost_detection_s == pytest.approx(1.1, abs=0.05)  # n2's torchrun
+        assert down.time_lost_s == pytest.approx(39, abs=0.05)
+        assert down.lost_replay_s == pytest.approx(10, abs=0.05)
+        failed = s.query(Event).filter_by(run_id="rb", kind=EventKind.LAUNCHER_FAILED).all()
+        assert [e.time_lost_s for e in failed] == [None, None]  # evidence, never charged
+
+
 def test_an_outage_not_trained_past_waits_and_a_plain_script_gets_an_estimate(
     database: Database, seed_run: Callable[..., None]
 ) -> None:

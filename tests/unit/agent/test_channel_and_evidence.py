@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from support.waiting import wait_for
 
-from slurmft.agent.channel import RankChannelServer, RendezvousRound
+from slurmft.agent.channel import RankChannelServer, RendezvousRound, StoreHealth
 from slurmft.agent.evidence import dump_stacks, is_stopped
 from slurmft.protocol import AgentEvent, RankHeartbeat, RankStepTime
 from slurmft.train.report import ReportChannel
@@ -99,6 +99,22 @@ def test_rounds_from_torchrun_and_a_workers_round_on_its_reports() -> None:
     assert (second.round, second.previous) == (3, 0)  # type: ignore[union-attr]
     assert isinstance(failure, AgentEvent) and failure.details["rdzv_round"] == 3
     assert server.counters.malformed == 2
+
+
+def test_the_launchers_word_on_the_store_reaches_the_agent_alone() -> None:
+    path = str(Path(tempfile.mkdtemp(prefix="ch-")) / "ranks.sock")
+    server = RankChannelServer(path)
+    try:
+        torchrun = ReportChannel(path, {"rank": 0, "rdzv_round": None})
+        torchrun.send("store_failed", error="Connection reset by peer")
+        torchrun.send("store_back")
+        got = server.drain()
+    finally:
+        server.close()
+    failed, back = got
+    assert failed == StoreHealth(True, failed.at, "Connection reset by peer")  # type: ignore[union-attr]
+    assert back == StoreHealth(False, back.at, "")  # type: ignore[union-attr]
+    assert server.counters.malformed == 0
 
 
 STUCK = """
