@@ -17,13 +17,13 @@ import pytest
 from daemon_process import DaemonProcess
 from e2e_run import TINY, SubmittedRun, submit
 from local_cluster import Cluster
-from sqlalchemy import text
+from sqlalchemy import func, select, text
 from support.waiting import wait_for_value
 
 from slurmft.controller.intents import INTERRUPTED
 from slurmft.controller.rpc import call
 from slurmft.db import Database
-from slurmft.db.models import ActionKind, ActionStatus, Event, EventKind, Run
+from slurmft.db.models import ActionKind, ActionStatus, Event, EventKind, Run, StepTime
 from slurmft.db.states import RunState
 
 pytestmark = [pytest.mark.slurm, pytest.mark.torch]
@@ -125,23 +125,34 @@ def test_a_run_without_failures_completes_with_its_spare_unused(
     # Its effective ratio is whole, and its wall time is its steps' span, ended with them.
     first_read, _ = wait_for_value(
         "the run's wall time to end with its last step",
-        lambda: _effective(run),
+        lambda: _effective(run, ranks=3),
         lambda row: row[1] is not None,
     )
     time.sleep(2)
-    wall, ratio = _effective(run)
+    wall, ratio = _effective(run, ranks=3)
     assert (wall, ratio) == first_read
     assert ratio is not None and ratio >= 0.995
     assert wall == pytest.approx(records[-1]["time"] - records[0]["time"], abs=3.0)
     run.database.dispose()
 
 
-def _effective(run: SubmittedRun) -> tuple[float, float | None]:
+def _effective(run: SubmittedRun, ranks: int) -> tuple[float, float | None]:
     """The run's wall time and effective ratio in run_effective_time, once its step span is
-    complete (its last step's end stored; None before)."""
+    complete (None before): every rank's last step stored, and the span read up to the last of
+    them. Each agent sends its ranks' steps in its own batches: the first one in is not the
+    span's end (a rank ends the same step milliseconds later)."""
     with run.database.session() as s:
         stored = s.get(Run, run.run_id)
-        done = stored is not None and stored.last_step_at is not None
+        last = s.scalar(select(func.max(StepTime.step)).where(StepTime.run_id == run.run_id))
+        ends = s.scalars(
+            select(StepTime.ended_at).where(StepTime.run_id == run.run_id, StepTime.step == last)
+        ).all()
+        done = (
+            stored is not None
+            and stored.last_step_at is not None
+            and len(ends) == ranks
+            and stored.last_step_at >= max(ends)
+        )
         row = s.execute(
             text("SELECT wall_s, effective_ratio FROM run_effective_time WHERE run_id = :r"),
             {"r": run.run_id},
