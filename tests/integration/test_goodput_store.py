@@ -114,15 +114,22 @@ def test_a_node_loss_the_daemon_confirms_after_training_is_back_costs_what_its_p
             Event(run_id="rq", kind=EventKind.NODE_LOST, node="n2", occurred_at=_t(109),
                   fault_class=FaultClass.HARDWARE, message="n2 lost", foreign=False),
         ])  # fmt: skip
+    lost = _the_one_outage(database, "rq", EventKind.NODE_LOST)
+    # S = 100 ended at 100 s, step 101 at 109 s, one step is 1 s: 8 s lost.
+    assert lost.time_lost_s == pytest.approx(8, abs=0.05)
+    assert lost.lost_detection_s == pytest.approx(0.2, abs=0.05)  # the peer's word
+    assert lost.lost_replay_s == pytest.approx(5, abs=0.05)
+
+
+def _the_one_outage(database: Database, run_id: str, kind: EventKind) -> Event:
+    """The run's only outage (one report), measured by a goodput pass at 200 s, as stored."""
     with database.session() as s:
         (measured,) = measure_failures(s, _t(200))
-        assert (measured.kind, measured.reports) == (EventKind.NODE_LOST, 1)
+        assert (measured.kind, measured.reports) == (kind, 1)
     with database.session() as s:
-        lost = s.query(Event).filter_by(run_id="rq", kind=EventKind.NODE_LOST).one()
-        # S = 100 ended at 100 s, step 101 at 109 s, one step is 1 s: 8 s lost.
-        assert lost.time_lost_s == pytest.approx(8, abs=0.05)
-        assert lost.lost_detection_s == pytest.approx(0.2, abs=0.05)  # the peer's word
-        assert lost.lost_replay_s == pytest.approx(5, abs=0.05)
+        head = s.query(Event).filter_by(run_id=run_id, kind=kind).one()
+        s.expunge(head)
+    return head
 
 
 def test_a_dead_batch_host_is_measured_from_the_other_nodes_failed_torchrun(
@@ -144,15 +151,12 @@ def test_a_dead_batch_host_is_measured_from_the_other_nodes_failed_torchrun(
                   fault_class=FaultClass.HARDWARE, message="batch host n1 is down",
                   foreign=False),
         ])  # fmt: skip
+    down = _the_one_outage(database, "rb", EventKind.BATCH_HOST_DOWN)
+    # S = 100 ended at 100 s, step 101 at 140 s, one step is 1 s: 39 s lost.
+    assert down.lost_detection_s == pytest.approx(1.1, abs=0.05)  # n2's torchrun
+    assert down.time_lost_s == pytest.approx(39, abs=0.05)
+    assert down.lost_replay_s == pytest.approx(10, abs=0.05)
     with database.session() as s:
-        (measured,) = measure_failures(s, _t(200))
-        assert (measured.kind, measured.reports) == (EventKind.BATCH_HOST_DOWN, 1)
-    with database.session() as s:
-        down = s.query(Event).filter_by(run_id="rb", kind=EventKind.BATCH_HOST_DOWN).one()
-        # S = 100 ended at 100 s, step 101 at 140 s, one step is 1 s: 39 s lost.
-        assert down.lost_detection_s == pytest.approx(1.1, abs=0.05)  # n2's torchrun
-        assert down.time_lost_s == pytest.approx(39, abs=0.05)
-        assert down.lost_replay_s == pytest.approx(10, abs=0.05)
         failed = s.query(Event).filter_by(run_id="rb", kind=EventKind.LAUNCHER_FAILED).all()
         assert [e.time_lost_s for e in failed] == [None, None]  # evidence, never charged
 
