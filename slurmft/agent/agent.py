@@ -44,6 +44,9 @@ log = logging.getLogger("slurmft.agent")
 LEAVE_PREFIX = "leave: "  # the stop reason of an agent the controller told to leave
 
 POLL_S = 0.1
+# torchrun exits a second or so after the store it depends on fails; a failure older than this
+# (its `store_back` lost, say) is not what ended it.
+STORE_FAILURE_DATES_EXIT_S = 30.0
 # The controller repeats a pending command in every reply until it sees its effect; one restart
 # per this window answers it.
 RESTART_COMMAND_COOLDOWN_S = 60.0
@@ -359,7 +362,8 @@ class NodeAgent:
         as the first sign of an outage no rank lived to report. Dated from the store's failure
         when the launcher saw one (it exits a second or so after it)."""
         failed = self.state.store_failed
-        if failed is None:
+        now = time.time()
+        if failed is None or now - failed.at > STORE_FAILURE_DATES_EXIT_S:
             self.event(EventKind.LAUNCHER_FAILED, f"torchrun exited with {returncode}",
                        exit_code=returncode)  # fmt: skip
             return
@@ -370,7 +374,7 @@ class NodeAgent:
             occurred_at=failed.at,
             exit_code=returncode,
             store_error=failed.error,
-            exited_at=time.time(),
+            exited_at=now,
         )
 
     def _stop_torchrun(self, process: subprocess.Popen[bytes]) -> None:

@@ -65,17 +65,28 @@ def test_a_clean_exit_reports_nothing(tmp_path: Path) -> None:
 
 def test_a_failure_after_the_store_failed_is_dated_from_the_stores_failure(tmp_path: Path) -> None:
     agent = _agent(tmp_path)
-    agent.state.store_failed = StoreHealth(True, 1000.5, "Connection reset by peer")
+    failed_at = time.time() - 1.2
+    agent.state.store_failed = StoreHealth(True, failed_at, "Connection reset by peer")
     before = time.time()
     assert agent._exit_code(1) is AgentExit.FAILED
     assert agent.reporter is not None
     (event,) = agent.reporter.buffer.events
-    assert event.kind is EventKind.LAUNCHER_FAILED and event.occurred_at == 1000.5
+    assert event.kind is EventKind.LAUNCHER_FAILED and event.occurred_at == failed_at
     assert event.message == (
         "torchrun exited with 1 after the rendezvous store failed (Connection reset by peer)"
     )
     assert event.details["store_error"] == "Connection reset by peer"
     assert event.details["exited_at"] >= before
+
+
+def test_a_store_failure_long_before_the_exit_dates_nothing(tmp_path: Path) -> None:
+    agent = _agent(tmp_path)
+    agent.state.store_failed = StoreHealth(True, time.time() - 120, "Connection reset by peer")
+    before = time.time()
+    agent._exit_code(1)
+    assert agent.reporter is not None
+    (event,) = agent.reporter.buffer.events
+    assert event.occurred_at >= before and event.message == "torchrun exited with 1"
 
 
 def test_a_store_that_answers_again_dates_nothing(tmp_path: Path) -> None:
