@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -43,6 +44,9 @@ def daemon_env(tmp_path: Path) -> dict[str, str]:
         "SLURMFT_DAEMON_INGEST_LISTEN": f"127.0.0.1:{free_port()}",
         "SLURMFT_DAEMON_METRICS_LISTEN": "127.0.0.1:0",
         "SLURMFT_SLURM_CONF": os.environ["SLURM_CONF"],
+        # A daemon that will not stop is sent SIGABRT (kill below): its threads' stacks go to
+        # its log, so the failure says what it was waiting for.
+        "PYTHONFAULTHANDLER": "1",
     }
 
 
@@ -109,7 +113,13 @@ class DaemonProcess:
     def kill(self, signum: int) -> int:
         assert self.proc is not None
         self.proc.send_signal(signum)
-        return self.proc.wait(timeout=30)
+        try:
+            return self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.send_signal(signal.SIGABRT)  # faulthandler: every thread's stack, logged
+            self.proc.wait(timeout=30)
+            tail = self.log.read_text(errors="replace")[-20000:]
+            pytest.fail(f"daemon still running 30 s after {signal.Signals(signum).name}:\n{tail}")
 
     def stop_if_running(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
