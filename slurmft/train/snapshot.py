@@ -84,6 +84,11 @@ KEEP = 2
 # would drop. The loss's mean is taken as at least 0: a write does not speed steps up.
 # Measured: the largest of the last three made K 5 for a tiny model where 1 or 2 kept the
 # budget; the median of the last five made it 15 for 256 MB, where the loop then ran 5.5 % slower.
+# What the steps beside a write lost is counted up to the write's own duration: a write cannot
+# take more from the loop than the time it ran beside it, and a step that is slow for reasons of
+# its own (a durable checkpoint) lands beside a short write now and then. Uncapped, one such
+# step in the mean of a few costs tripled K (a 4.5 ms wait beside 20 ms steps, a 100 ms step
+# every 7th: K 46 and 54 where 17 kept the budget, in 2 runs of 20).
 RECENT_COSTS = 20
 SCHEMA = 1
 # Each rank's gathered record (RNG state and costs, JSON) travels in a fixed-size slot: its
@@ -425,7 +430,8 @@ class MemorySnapshots:
         self.flush()
         self._blocked_s = time.monotonic() - blocked_from
         if self._unsettled_wait is not None:  # the previous snapshot's write is done now
-            cost_s = self._unsettled_wait + self._slowed_s()  # below the wait at times: see above
+            # Below the wait at times (see RECENT_COSTS); never more than the write lasted.
+            cost_s = self._unsettled_wait + min(self._slowed_s(), self._write_s)
             self.recent_costs = [*self.recent_costs[-(RECENT_COSTS - 1) :], cost_s]
             self.recent_waits = [*self.recent_waits[-(RECENT_COSTS - 1) :], self._unsettled_wait]
             self._unsettled_wait = None
