@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 import signal
 import threading
 import time
@@ -69,6 +70,9 @@ from slurmft.slurm.runner import SubprocessRunner
 log = logging.getLogger(__name__)
 
 RETENTION_INTERVAL_S = 300.0
+# How long a stop waits for the control pass in flight once its Slurm commands are ended: the
+# rest of a pass is the store's (milliseconds); past it the daemon exits without the pass.
+STOP_GRACE_S = 10.0
 RETENTION_MINUTES_PER_PASS = 60  # (run, minute) folds; each is its own transaction
 GOODPUT_INTERVAL_S = 10.0  # a failure's cost is known within this of training being back
 REFUSAL_AUDIT_INTERVAL_S = 2.0
@@ -115,10 +119,16 @@ class Daemon:
         self.database = database or Database.from_config(config)
         self.metrics = DaemonMetrics(self.database)
         conf = settings.slurm.conf
-        self.slurm = slurm or CliSlurmClient(
-            TimedRunner(SubprocessRunner({"SLURM_CONF": conf} if conf else None), self.metrics),
-            timeout_s=settings.slurm.command_timeout_s,
-        )
+        # The commands in flight are ended when the daemon stops (stop); a client passed in
+        # (tests) is its own.
+        self._slurm_commands: SubprocessRunner | None = None
+        if slurm is None:
+            self._slurm_commands = SubprocessRunner({"SLURM_CONF": conf} if conf else None)
+            slurm = CliSlurmClient(
+                TimedRunner(self._slurm_commands, self.metrics),
+                timeout_s=settings.slurm.command_timeout_s,
+            )
+        self.slurm = slurm
         self.policy = Policy.from_config(config)
         self.executor = Executor(
             self.database,
@@ -152,6 +162,7 @@ class Daemon:
         self.liveness = LoopLiveness(settings.daemon.stuck_after_passes * interval)
         self._loop_stuck_logged = False
         self._stopped = threading.Event()
+        self._in_pass = threading.Lock()  # held by the control pass; stop waits on it
         self._scheduler = BackgroundScheduler(
             timezone=UTC,
             job_defaults={"coalesce": True, "max_instances": 1, "misfire_grace_time": 30},
@@ -186,7 +197,10 @@ class Daemon:
             self.skipped_because = "store"
             return 0
         if not view.slurm_reachable:
-            log.warning("control pass skipped: Slurm unreachable; nothing decided")
+            if self._stopped.is_set():  # its Slurm commands were ended by the stop
+                log.info("control pass cut short by the stop; nothing decided")
+            else:
+                log.warning("control pass skipped: Slurm unreachable; nothing decided")
             self.skipped_because = "slurm"
             return 0
         self.skipped_because = None
@@ -214,6 +228,11 @@ class Daemon:
     def _control_tick(self) -> None:
         """The main loop's step: a control pass, then the liveness the watchdog and /healthz
         read, then READY after the first pass that reached Slurm."""
+        with self._in_pass:
+            if not self._stopped.is_set():  # a pass queued before the stop does not start
+                self._control_tick_unlocked()
+
+    def _control_tick_unlocked(self) -> None:
         started = time.monotonic()
         try:
             self.control_pass()
@@ -464,17 +483,34 @@ class Daemon:
         assert self._ops is not None, "start() first"
         return self._ops.url
 
-    def stop(self) -> None:
+    def stop(self) -> bool:
+        """Stop passes and servers; False when the control pass in flight did not end (the
+        process must then exit without it: the interpreter would wait for its thread)."""
         self.notifier.stopping()
         self._stopped.set()
         if self._scheduler.running:
-            # Waiting on a stuck control pass would hang the stop until systemd's SIGKILL.
-            self._scheduler.shutdown(wait=self.liveness.alive())
+            self._scheduler.shutdown(wait=False)  # the control pass is waited for below
+        # A command waiting on a busy slurmctld would hold the stop for its timeout, one after
+        # another (systemd's SIGKILL comes first): they end now, and the pass with them. An
+        # effect cut short is settled at the next start (slurmft.controller.intents).
+        if self._slurm_commands is not None:
+            self._slurm_commands.stop("the daemon is stopping")
+        pass_ended = self._in_pass.acquire(timeout=STOP_GRACE_S if self.liveness.alive() else 0)
+        if pass_ended:
+            self._in_pass.release()
+        else:
+            log.error(
+                "the control pass in flight did not end within %gs of the stop (stuck %.0fs): "
+                "stopping without it; what it was doing is settled at the next start",
+                STOP_GRACE_S,
+                self.liveness.seconds_since_pass(),
+            )
         for server in (self._ingest, self._rpc, self._ops):
             if server is not None:
                 server.stop()
         self.refusals.flush()
         self.database.dispose()
+        return pass_ended
 
     def run_until_signalled(self) -> None:
         """Serve until SIGTERM or SIGINT (systemd stops the service with SIGTERM)."""
@@ -489,4 +525,6 @@ class Daemon:
         try:
             self._stopped.wait()
         finally:
-            self.stop()
+            if not self.stop():
+                logging.shutdown()
+                os._exit(1)  # the stuck pass's thread would hold the interpreter's exit

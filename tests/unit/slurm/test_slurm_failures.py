@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import signal
+import threading
 from collections.abc import Callable
 
 import pytest
+from support.waiting import wait_for
 
 from slurmft.slurm.api import (
     SlurmBadRequest,
@@ -72,9 +75,19 @@ def test_messages_say_what_to_do(recorded: Recorded) -> None:
     assert "Operator" in str(classify_failure(recorded("drain_not_admin")))
 
 
-def test_runner_timeout_is_typed() -> None:
-    with pytest.raises(SlurmTimeout):
-        SubprocessRunner().run(["sleep", "5"], 0.2)
+def test_runner_timeout_is_typed_and_ends_what_the_command_started() -> None:
+    """A wrapper script's `sleep` left alive would hold the output pipes, and the call, open."""
+    raised: list[BaseException] = []
+
+    def call() -> None:
+        with pytest.raises(SlurmTimeout) as error:
+            SubprocessRunner().run(["sh", "-c", "sleep 600; echo never"], 0.2)
+        raised.append(error.value)
+
+    caller = threading.Thread(target=call)
+    caller.start()
+    caller.join(timeout=30)
+    assert not caller.is_alive() and len(raised) == 1
 
 
 def test_missing_command_is_unreachable() -> None:
@@ -87,3 +100,29 @@ def test_runner_passes_stdin_and_env_without_a_shell() -> None:
     result = runner.run(["sh", "-c", 'cat; printf "%s" "$SLURM_CONF"', "$(id)"], 5, stdin="a;b\n")
     assert result.stdout == "a;b\n/x/slurm.conf"
     assert runner.calls == {"sh": 1}
+
+
+def test_stop_ends_the_command_in_flight_and_refuses_the_next() -> None:
+    """The daemon stopping: a command waiting on a busy slurmctld does not hold the stop for
+    its timeout (a 600 s `sleep` stands for it), and no command starts after it."""
+    runner = SubprocessRunner()
+    outcome: list[BaseException] = []
+
+    def call() -> None:
+        try:
+            runner.run(["sh", "-c", "sleep 600; echo never"], 600)
+        except SlurmUnreachable as error:
+            outcome.append(error)
+
+    caller = threading.Thread(target=call)
+    caller.start()
+    wait_for(lambda: runner._running, 30, "the command to start", interval_s=0.01)
+    (child,) = runner._running
+    runner.stop("the daemon is stopping")
+    caller.join(timeout=30)
+    assert not caller.is_alive()
+    assert [str(e) for e in outcome] == ["sh ended early: the daemon is stopping"]
+    assert child.returncode == -signal.SIGKILL
+    with pytest.raises(SlurmUnreachable, match=r"^sleep not run: the daemon is stopping$"):
+        runner.run(["sleep", "0"], 5)
+    assert runner.calls == {"sh": 1, "sleep": 1}
