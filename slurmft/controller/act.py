@@ -110,7 +110,9 @@ class Executor:
                 # recorded as failed on its run, and the other runs' actions go on.
                 _log_failure(action, exc)
                 outcome = self._record_failure(action, exc)
-            log.info(
+            routine = isinstance(action, v.RecordRestarts) and action.progress_only
+            log.log(
+                logging.DEBUG if routine else logging.INFO,
                 "%s %s: %s (%s)",
                 type(action).__name__,
                 outcome.status.value,

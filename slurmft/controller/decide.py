@@ -198,11 +198,8 @@ def count_restarts(
         r for r in restarts if evidence.recorded.get(r.key) != (r.cause, r.node_removed)
     )
     progress_at = progress.at if progress else evidence.progress_at
-    if (
-        not changed
-        and budget.restarts_without_progress == run.budget.restarts_without_progress
-        and progress_at == evidence.progress_at
-    ):
+    same_count = budget.restarts_without_progress == run.budget.restarts_without_progress
+    if not changed and same_count and progress_at == evidence.progress_at:
         return budget, []
     return budget, [
         RecordRestarts(
@@ -211,6 +208,7 @@ def count_restarts(
             restarts_without_progress=budget.restarts_without_progress,
             last_progress_at=progress_at,
             restarts=changed,
+            progress_only=not changed and same_count,
         )
     ]
 

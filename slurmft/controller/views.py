@@ -185,6 +185,8 @@ class RecordRestarts(Action):
     restarts_without_progress: int = 0
     last_progress_at: datetime | None = None
     restarts: tuple[ChargedRestart, ...] = ()
+    # Only the progress moved (a healthy run, every pass): logged at debug, not as news.
+    progress_only: bool = False
 
 
 @dataclass(frozen=True)

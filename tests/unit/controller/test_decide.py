@@ -705,6 +705,24 @@ def test_the_crash_loop_count_is_decided_from_the_evidence_and_recorded_once() -
         restarts=replace(evidence, progress_at=start, recorded=recorded),
     )
     assert decide(_view(again), POLICY) == []
+    assert not record.progress_only
+    # A newer checkpoint: the count falls to nothing; news, logged as such.
+    newer = Sighting(Seen.CHECKPOINT, start + timedelta(minutes=10), step=40)
+    checkpointed = replace(again, restarts=replace(again.restarts, progress=newer))
+    (reset,) = decide(_view(checkpointed), POLICY)
+    assert isinstance(reset, RecordRestarts) and reset.restarts_without_progress == 0
+    assert not reset.progress_only
+    # Progress again, no restart since: only the progress moves (debug, not news every pass).
+    settled = replace(
+        again,
+        budget=RestartBudget(restarts_without_progress=0),
+        restarts=replace(again.restarts, progress=newer, progress_at=newer.at),
+    )
+    newest = Sighting(Seen.CHECKPOINT, start + timedelta(minutes=11), step=50)
+    checkpointed = replace(settled, restarts=replace(settled.restarts, progress=newest))
+    (moved,) = decide(_view(checkpointed), POLICY)
+    assert isinstance(moved, RecordRestarts) and moved.progress_only
+    assert (moved.restarts_without_progress, moved.last_progress_at) == (0, newest.at)
     # Four more failures in a row: past the cap of 5, the run stops, the count recorded first.
     more = tuple(_failure(start + timedelta(seconds=90 * i), f"7.1/{i}") for i in range(4, 8))
     spent = replace(again, restarts=replace(again.restarts, restarts=failures + more))
