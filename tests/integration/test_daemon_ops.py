@@ -21,9 +21,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from support.daemon_side import daemon_config
 from support.waiting import wait_for, wait_for_value
 
-from slurmft.config import Config, load_config
+from slurmft.config import Config
 from slurmft.controller.daemon import Daemon
 from slurmft.controller.notify import Notifier
 from slurmft.db import Database
@@ -102,18 +103,7 @@ class FakeSystemd:
 
 
 def _config(tmp_path: Path) -> Config:
-    return load_config(
-        environ={},
-        system_file=tmp_path / "absent.toml",
-        overrides=[
-            f"paths.state_dir={tmp_path / 'state'}",
-            f"paths.runtime_dir={tmp_path / 'run'}",
-            "daemon.poll_interval_s=0.5",
-            "daemon.stuck_after_passes=2",
-            "daemon.ingest_listen=127.0.0.1:0",
-            "daemon.metrics_listen=127.0.0.1:0",
-        ],
-    )
+    return daemon_config(tmp_path, "daemon.stuck_after_passes=2")
 
 
 @pytest.fixture

@@ -16,13 +16,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from support.daemon_side import daemon_config
 from support.waiting import wait_for
 
-from slurmft.config import Config, load_config
 from slurmft.controller import daemon as daemon_module
 from slurmft.controller.daemon import Daemon
 from slurmft.db import Database
 
+TESTS = Path(__file__).parents[1]  # the subprocess imports support/ from there
 HANGING_COMMAND = """#!/bin/sh
 # Unreachable until {flag} exists; then it hangs, as against a wedged slurmctld.
 [ -e {flag} ] || {{ echo "Unable to contact slurm controller (connect failure)" >&2; exit 1; }}
@@ -31,23 +32,8 @@ exec sleep 600
 """
 
 
-def _config(tmp_path: Path) -> Config:
-    return load_config(
-        environ={},
-        system_file=tmp_path / "absent.toml",
-        overrides=[
-            f"paths.state_dir={tmp_path / 'state'}",
-            f"paths.runtime_dir={tmp_path / 'run'}",
-            "daemon.poll_interval_s=0.5",
-            "daemon.ingest_listen=127.0.0.1:0",
-            "daemon.metrics_listen=127.0.0.1:0",
-            "slurm.command_timeout_s=600",
-        ],
-    )
-
-
 def _daemon(tmp_path: Path, slurm: Any = None) -> Daemon:
-    config = _config(tmp_path)
+    config = daemon_config(tmp_path, "slurm.command_timeout_s=600")
     database = Database(config.database_url)
     database.upgrade()
     return Daemon(config, database=database, slurm=slurm)
@@ -123,7 +109,8 @@ def test_a_pass_stuck_elsewhere_is_left_behind_after_the_grace(
 STUCK_DAEMON = """
 import sys, threading
 from pathlib import Path
-from slurmft.config import load_config
+sys.path.insert(0, sys.argv[2])
+from support.daemon_side import daemon_config
 from slurmft.controller import daemon as daemon_module
 from slurmft.db import Database
 from slurmft.logs import setup_logging
@@ -138,11 +125,7 @@ class BlockedSlurm:
     def node_addresses(self):
         return {}
 
-state = Path(sys.argv[1])
-config = load_config(environ={}, system_file=state / "absent.toml", overrides=[
-    f"paths.state_dir={state / 'state'}", f"paths.runtime_dir={state / 'run'}",
-    "daemon.poll_interval_s=0.5", "daemon.ingest_listen=127.0.0.1:0",
-    "daemon.metrics_listen=127.0.0.1:0"])
+config = daemon_config(Path(sys.argv[1]))
 database = Database(config.database_url)
 database.upgrade()
 daemon_module.STOP_GRACE_S = 0.5
@@ -159,7 +142,7 @@ def test_sigterm_with_a_stuck_pass_exits_instead_of_waiting_for_it(tmp_path: Pat
     log = tmp_path / "daemon.log"
     with log.open("w") as out:
         daemon = subprocess.Popen(
-            [sys.executable, "-c", STUCK_DAEMON, str(tmp_path)],
+            [sys.executable, "-c", STUCK_DAEMON, str(tmp_path), str(TESTS)],
             stdout=subprocess.PIPE, stderr=out, text=True,
         )  # fmt: skip
     try:

@@ -6,9 +6,11 @@ from __future__ import annotations
 import http.client
 import json
 import socket
+from pathlib import Path
 
 from sqlalchemy import func, select
 
+from slurmft.config import Config, load_config
 from slurmft.controller.act import Executor
 from slurmft.controller.decide import count_restarts
 from slurmft.controller.http import IngestServer
@@ -81,3 +83,20 @@ def count_and_record(
     budget, actions = count_restarts(view, cap=cap)
     Executor(database, slurm=None).execute(actions)  # type: ignore[arg-type]  # records only
     return budget, actions
+
+
+def daemon_config(tmp_path: Path, *overrides: str) -> Config:
+    """An in-process daemon's settings: its state and runtime under ``tmp_path``, no system
+    file, its endpoints on free loopback ports, a pass every half second; ``overrides`` last."""
+    return load_config(
+        environ={},
+        system_file=tmp_path / "absent.toml",
+        overrides=[
+            f"paths.state_dir={tmp_path / 'state'}",
+            f"paths.runtime_dir={tmp_path / 'run'}",
+            "daemon.poll_interval_s=0.5",
+            "daemon.ingest_listen=127.0.0.1:0",
+            "daemon.metrics_listen=127.0.0.1:0",
+            *overrides,
+        ],
+    )
