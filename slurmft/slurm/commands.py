@@ -50,9 +50,10 @@ def submit_argv(request: SubmitRequest) -> list[str]:
         )
     # A site's options first: sbatch takes the last of an option given twice, so nothing in them
     # could override slurmft's own below (the refusal table keeps those out anyway).
+    site = passthrough.check("sbatch", request.sbatch_args)
     argv = [
         "sbatch",
-        *passthrough.check("sbatch", request.sbatch_args),
+        *site,
         "--parsable",
         f"--job-name={script.check_job_name(request.job_name)}",
         f"--comment={script.comment_for_run(request.run_id, request.action_id)}",
@@ -77,6 +78,11 @@ def submit_argv(request: SubmitRequest) -> list[str]:
     argv += _site_options(request)
     if request.output:
         argv.append(f"--output={script.check_path(request.output)}")
+        if not any(option.startswith("--open-mode=") for option in site):
+            # A requeued job starts again under its job id, so in the same file, which Slurm
+            # truncates by default (JobFileAppend=0): the failed attempt's lines, the ones that
+            # say why it failed, would be gone. A site's own --open-mode stands.
+            argv.append("--open-mode=append")
     if request.workdir:
         argv.append(f"--chdir={script.check_path(request.workdir)}")
     return argv

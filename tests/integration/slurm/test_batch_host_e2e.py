@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from daemon_process import DaemonProcess, running_daemon
+from daemon_process import DaemonProcess, running_daemon, slurmft
 from e2e_run import EXAMPLE, TINY, submit
 from local_cluster import Cluster
 from support.waiting import wait_for_value
@@ -89,6 +89,12 @@ def test_killed_batch_host_is_requeued_without_it_and_the_run_completes(
     lost = {e.node for e in run.events(Event.kind == EventKind.NODE_LOST)}
     assert lost <= {batch_host}, lost
     assert len(cluster.client.jobs([run.job_id])) == 1  # requeued, never resubmitted
+    # The job's log keeps the killed attempt (Slurm truncates a requeued job's output unless
+    # it is opened for appending): `slurmft logs --attempt 1` shows where it ran.
+    first = slurmft(daemon.env, "logs", run.run_id, "--attempt", "1")
+    assert f"batch step of job {run.job_id}, Slurm restart 0, on " in first, first[-2000:]
+    assert "Slurm restart 1" not in first
+    assert "Slurm restart 1" in slurmft(daemon.env, "logs", run.run_id)
     print(
         f"batch host {batch_host} killed: event after {detected_s:.1f} s, "
         f"running again on {sorted(second_nodes)} after {running_again_s:.1f} s"

@@ -89,8 +89,16 @@ def test_submit_argv_every_option() -> None:
         "--ntasks-per-node=1",
         "--cpus-per-task=4",
         "--output=/scratch/runs/%j.out",
+        "--open-mode=append",  # a requeued job's attempts, one after another in one file
         "--chdir=/scratch/runs",
     ]
+
+
+def test_a_sites_own_open_mode_stands() -> None:
+    argv = commands.submit_argv(
+        request(output="/scratch/runs/%j.out", sbatch_args=("--open-mode", "truncate"))
+    )
+    assert [word for word in argv if word.startswith("--open-mode")] == ["--open-mode=truncate"]
 
 
 def test_submit_argv_site_options() -> None:
