@@ -495,14 +495,15 @@ class Daemon:
         # effect cut short is settled at the next start (slurmft.controller.intents).
         if self._slurm_commands is not None:
             self._slurm_commands.stop("the daemon is stopping")
-        pass_ended = self._in_pass.acquire(timeout=STOP_GRACE_S if self.liveness.alive() else 0)
+        grace_s = STOP_GRACE_S if self.liveness.alive() else 0.0  # a stuck loop: no waiting
+        pass_ended = self._in_pass.acquire(timeout=grace_s)
         if pass_ended:
             self._in_pass.release()
         else:
             log.error(
-                "the control pass in flight did not end within %gs of the stop (stuck %.0fs): "
-                "stopping without it; what it was doing is settled at the next start",
-                STOP_GRACE_S,
+                "the control pass in flight did not end within %gs of the stop (no pass ended "
+                "for %.0fs): stopping without it; what it was doing is settled at the next start",
+                grace_s,
                 self.liveness.seconds_since_pass(),
             )
         for server in (self._ingest, self._rpc, self._ops):
