@@ -11,12 +11,11 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
-from support.daemon_side import daemon_config
+from support.daemon_side import BlockedSlurm, daemon_config
 from support.waiting import wait_for
 
 from slurmft.controller import daemon as daemon_module
@@ -72,25 +71,6 @@ def test_a_stop_ends_the_slurm_command_the_pass_waits_on(
     assert started.read_text().split() == [str(pid)], "a Slurm command started after the stop"
 
 
-class BlockedSlurm:
-    """A pass stuck outside Slurm's commands (a wedged lock, a hung filesystem): the stop
-    cannot end it."""
-
-    def __init__(self) -> None:
-        self.blocked, self.release = threading.Event(), threading.Event()
-
-    def jobs(self, job_ids: Sequence[str]) -> dict[str, Any]:
-        self.blocked.set()
-        self.release.wait(120)
-        return {}
-
-    def nodes(self, names: Sequence[str] = ()) -> dict[str, Any]:
-        return {}
-
-    def node_addresses(self) -> dict[str, str]:
-        return {}
-
-
 def test_a_pass_stuck_elsewhere_is_left_behind_after_the_grace(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -110,20 +90,10 @@ STUCK_DAEMON = """
 import sys, threading
 from pathlib import Path
 sys.path.insert(0, sys.argv[2])
-from support.daemon_side import daemon_config
+from support.daemon_side import BlockedSlurm, daemon_config
 from slurmft.controller import daemon as daemon_module
 from slurmft.db import Database
 from slurmft.logs import setup_logging
-
-class BlockedSlurm:
-    blocked, release = threading.Event(), threading.Event()
-    def jobs(self, job_ids):
-        self.blocked.set()
-        self.release.wait()
-    def nodes(self, names=()):
-        return {}
-    def node_addresses(self):
-        return {}
 
 config = daemon_config(Path(sys.argv[1]))
 database = Database(config.database_url)

@@ -6,7 +6,10 @@ from __future__ import annotations
 import http.client
 import json
 import socket
+import threading
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from sqlalchemy import func, select
 
@@ -100,3 +103,22 @@ def daemon_config(tmp_path: Path, *overrides: str) -> Config:
             *overrides,
         ],
     )
+
+
+class BlockedSlurm:
+    """A pass stuck outside Slurm's commands (a wedged lock, a hung filesystem): the stop
+    cannot end it."""
+
+    def __init__(self) -> None:
+        self.blocked, self.release = threading.Event(), threading.Event()
+
+    def jobs(self, job_ids: Sequence[str]) -> dict[str, Any]:
+        self.blocked.set()
+        self.release.wait(120)
+        return {}
+
+    def nodes(self, names: Sequence[str] = ()) -> dict[str, Any]:
+        return {}
+
+    def node_addresses(self) -> dict[str, str]:
+        return {}
