@@ -45,6 +45,7 @@ from slurmft.controller.agents_url import (
     unreachable_because,
 )
 from slurmft.controller.bounded import ServerLimits
+from slurmft.controller.busy_jobs import BUSY_JOB_EVENTS, BusyJobs, quiet_busy_skips
 from slurmft.controller.decide import Policy, decide
 from slurmft.controller.goodput_pass import measure_failures
 from slurmft.controller.health import OPS_LIMITS, LoopLiveness, OpsServer, check_health
@@ -168,6 +169,8 @@ class Daemon:
             job_defaults={"coalesce": True, "max_instances": 1, "misfire_grace_time": 30},
         )
         self._scheduler.add_listener(self.metrics.on_scheduler_event, SCHEDULER_EVENTS)
+        quiet_busy_skips()
+        self._scheduler.add_listener(BusyJobs().on_event, BUSY_JOB_EVENTS)
         self.refusals = Refusals(self.database, self.metrics.server_refusals, clock=clock)
         self._ingest: IngestServer | None = None
         self._rpc: RpcServer | None = None

@@ -126,3 +126,35 @@ def test_sigterm_with_a_stuck_pass_exits_instead_of_waiting_for_it(tmp_path: Pat
     text = log.read_text()
     assert "signal SIGTERM: stopping" in text
     assert "did not end within 0.5s of the stop" in text
+
+
+def test_a_pass_that_outlasts_its_ticks_is_said_once_not_per_tick(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A pass held past several 0.5 s ticks: one WARNING when the first tick is skipped, one INFO
+    when it ends with the ticks it skipped, and none of APScheduler's per-tick lines."""
+    caplog.set_level(logging.INFO)
+    slurm = BlockedSlurm()
+    daemon = _daemon(tmp_path, slurm).start()
+    registry = daemon.metrics.registry
+    busy = {"job": "control", "reason": "busy"}
+    try:
+        assert slurm.blocked.wait(30)
+        wait_for(lambda: (registry.get_sample_value("slurmft_scheduler_jobs_skipped_total", busy)
+                          or 0) >= 3, 30, "three ticks skipped for the blocked pass")  # fmt: skip
+        slurm.release.set()
+        wait_for(lambda: any("control job ended after" in m for m in caplog.messages), 30,
+                 "the end of the blocked pass logged")  # fmt: skip
+    finally:
+        slurm.release.set()
+        daemon.stop()
+    lines = [(r.levelname, r.getMessage()) for r in caplog.records]
+    assert not [m for _, m in lines if "maximum number of running instances" in m]
+    overrun = [
+        (level, m) for level, m in lines if m.startswith(("control job still", "control job ended"))
+    ]
+    (first_level, first), (end_level, end) = overrun[:2]
+    assert (first_level, end_level) == ("WARNING", "INFO")
+    assert first.startswith("control job still running after")
+    ticks = int(end.split("; ")[1].split()[0])
+    assert ticks >= 3, end
