@@ -174,14 +174,21 @@ def test_killed_node_goes_down_and_the_no_kill_job_shrinks(cluster: Cluster) -> 
     print(f"kill -> {victim} DOWN: {seconds:.1f} s")
 
 
-def _task_states(node: str) -> set[str]:
-    """The process states (R, S, T, ...) of the `sleep` tasks the job runs on ``node``."""
+TASKS_OF = "SLURMFT_TEST_TASKS_OF"  # marks one test's tasks: every worker's cluster has an n2
+
+
+def _task_states(node: str, marker: str) -> set[str]:
+    """The process states (R, S, T, ...) of the `sleep` tasks that run on ``node`` with
+    ``TASKS_OF=marker`` in their environment. Nodes are named alike in every cluster of the
+    suite's workers, so the node's name alone would count another test's tasks (seen: a
+    frozen node's task sleeping, which was another cluster's)."""
+    wanted = {f"SLURMD_NODENAME={node}".encode(), f"{TASKS_OF}={marker}".encode()}
     states = set()
     for entry in Path("/proc").iterdir():
         try:
             if not entry.name.isdigit() or (entry / "comm").read_text().strip() != "sleep":
                 continue
-            if f"SLURMD_NODENAME={node}".encode() in (entry / "environ").read_bytes().split(b"\0"):
+            if wanted <= set((entry / "environ").read_bytes().split(b"\0")):
                 states.add((entry / "stat").read_text().rsplit(")", 1)[1].split()[0])
         except OSError:
             continue  # exited while we looked
@@ -190,18 +197,19 @@ def _task_states(node: str) -> set[str]:
 
 @pytest.mark.slurm
 def test_a_frozen_node_stops_answering_and_its_tasks_run_on_when_thawed(cluster: Cluster) -> None:
-    job_id = cluster.submit(agent_step(3, cluster.tmp_path), nodes=3)
+    marker = str(cluster.tmp_path)
+    job_id = cluster.submit(agent_step(3, cluster.tmp_path), nodes=3, env={TASKS_OF: marker})
     job, _ = cluster.wait_running(job_id)
     victim = next(node for node in job.nodes if node != job.batch_host)
-    wait_for_value(f"the task on {victim}", lambda: _task_states(victim), bool, 15)
+    wait_for_value(f"the task on {victim}", lambda: _task_states(victim, marker), bool, 15)
     cluster.freeze_node(victim)
-    assert _task_states(victim) == {"T"}
+    assert _task_states(victim, marker) == {"T"}
     node, seconds = wait_for_value(
         f"{victim} not responding", lambda: cluster.client.node(victim), lambda n: n.status.lost, 30
     )
     cluster.thaw_node(victim)
     states, _ = wait_for_value(
-        f"the task on {victim} running again", lambda: _task_states(victim), lambda s: s, 10
+        f"the task on {victim} running again", lambda: _task_states(victim, marker), bool, 10
     )
     assert "T" not in states
     print(f"freeze -> {victim} {node.status}: {seconds:.1f} s")
