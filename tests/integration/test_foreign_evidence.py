@@ -2,20 +2,21 @@
 into a real store (SQLite and PostgreSQL), and control passes run as the daemon runs them
 (observe, decide, act) against the recorded Slurm cluster.
 
-The recorded job 14 is root's (uid 0), tagged `slurmft-run:run-0001`, and holds n[1-3]; bob's
-run is that run here. Alice's run has her agent on n4, a node bob's job never held."""
+The recorded running job (`show_job_running`) is root's (uid 0), tagged `slurmft-run:run-0001`,
+and holds n[1-3]; bob's run is that run here. Alice's run has her agent on n4, a node bob's job
+never held."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Callable, Sequence
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
 from sqlalchemy import select, text
 from support.daemon_side import post_batch
-from support.slurm_recordings import RecordedCluster, job_id_of, load_recording
+from support.slurm_recordings import RecordedCluster, job_id_of, load_recording, recorded_jobs
 
 from slurmft.controller import views as v
 from slurmft.controller.act import Executor
@@ -38,15 +39,21 @@ from slurmft.db.records import denied_nodes
 from slurmft.slurm.api import JobInfo
 from slurmft.slurm.cli_backend import CliSlurmClient
 from slurmft.slurm.hostlist import expand
+from slurmft.slurm.parse import parse_scontrol_line
 
 BOB, ALICE = "run-0001", "ralice"
+JOB = recorded_jobs()[0]  # bob's job: its id and start are the recording's, not written here
+# scontrol's StartTime is the login node's local time (UTC on the recording machine).
+JOB_STARTED = datetime.fromisoformat(
+    parse_scontrol_line(load_recording("show_job_running").stdout)["StartTime"]
+).astimezone(UTC)
 # Drains are not held back by the partition's drained fraction (n3 drains in the recording).
 POLICY = Policy(trust=TrustPolicy(max_drained_fraction=1.0))
 
 
 class RecordedSlurm(CliSlurmClient):
     """The recorded cluster; scontrol's record of a job answers squeue's question about it too
-    (no squeue of job 14 alone was recorded), and drains and downs are kept, not sent."""
+    (no squeue of the running job alone was recorded), and drains and downs are kept, not sent."""
 
     def __init__(self) -> None:
         super().__init__(RecordedCluster(["show_job_running", "sinfo_nodes_drained"]))
@@ -65,7 +72,7 @@ class RecordedSlurm(CliSlurmClient):
 @pytest.fixture
 def tokens(database: Database, seed_run: Callable[..., None]) -> dict[str, str]:
     out = {}
-    for run_id, uid, job in ((BOB, 0, "14"), (ALICE, 1000, None)):
+    for run_id, uid, job in ((BOB, 0, JOB), (ALICE, 1000, None)):
         token, digest = new_run_token()
         seed_run(database, run_id, job_id=job, owner_uid=uid, nodes=2, spares=1, token_hash=digest)
         out[run_id] = token
@@ -84,7 +91,7 @@ def _post(
     events: Sequence[dict[str, Any]] = (),
     allocation: dict[str, Any] | None = None,
 ) -> tuple[int, dict[str, object]]:
-    agent = f"{'batch-step:14' if allocation else node}-{run_id}"
+    agent = f"{f'batch-step:{JOB}' if allocation else node}-{run_id}"
     _SEQ[agent] = _SEQ.get(agent, 0) + 1
     now = datetime.now(UTC).timestamp()
     batch: dict[str, Any] = {
@@ -108,7 +115,7 @@ def _fault(xid: int, action: str) -> dict[str, Any]:
 
 
 BOBS_ALLOCATION = {
-    "job_id": "14",
+    "job_id": JOB,
     "nodes": [
         {"node": "n1", "role": "active"},
         {"node": "n2", "role": "active"},
@@ -211,10 +218,10 @@ def test_evidence_from_before_the_job_started_is_foreign_even_on_nodes_the_job_t
     pending run's faults drained nodes his job got after alice's ended)."""
     slurm = RecordedSlurm()
     _post(ingest_server, tokens[BOB], BOB, "n2", events=[_fault(79, "drain")])
-    # Recorded job 14 started at 2026-11-29T11:21:11: the fault came an hour before that.
+    # The fault came an hour before the recorded job started.
     with database.session() as s:
         (fault,) = s.scalars(select(Event).where(Event.kind == EventKind.GPU_FAULT)).all()
-        fault.recorded_at = datetime(2026, 11, 29, 10, 21, tzinfo=UTC)
+        fault.recorded_at = JOB_STARTED - timedelta(hours=1)
     _post(ingest_server, tokens[BOB], BOB, "n1", allocation=BOBS_ALLOCATION)
     _pass(database, slurm)
     assert _faults(database) == {"n2:79": True}
@@ -222,14 +229,14 @@ def test_evidence_from_before_the_job_started_is_foreign_even_on_nodes_the_job_t
     with database.session() as s:
         assert denied_nodes(s) == set() and denied_nodes(s, run_id=BOB) == set()
         (attempt,) = s.scalars(select(Attempt).where(Attempt.run_id == BOB)).all()
-        assert attempt.started_at == datetime(2026, 11, 29, 11, 21, 11, tzinfo=UTC)
+        assert attempt.started_at == JOB_STARTED
 
 
 @pytest.mark.parametrize(
     ("run_id", "uid", "refused"),
     [
-        ("rbob2", 0, "job 14 is tagged with run run-0001, not run rbob2"),
-        ("rbob3", 1000, "job 14 belongs to uid 0, the run to uid 1000"),
+        ("rbob2", 0, f"job {JOB} is tagged with run run-0001, not run rbob2"),
+        ("rbob3", 1000, f"job {JOB} belongs to uid 0, the run to uid 1000"),
     ],
 )
 def test_an_allocation_report_slurm_does_not_confirm_is_refused_and_recorded(  # noqa: PLR0917 (fixtures and parameters)
@@ -242,7 +249,7 @@ def test_an_allocation_report_slurm_does_not_confirm_is_refused_and_recorded(  #
 ) -> None:
     """Bob's batch step reports alice's job (or one of another run) as its own: refused."""
     token, digest = new_run_token()
-    seed_run(database, run_id, job_id="14", owner_uid=uid, nodes=2, token_hash=digest)
+    seed_run(database, run_id, job_id=JOB, owner_uid=uid, nodes=2, token_hash=digest)
     slurm = RecordedSlurm()
     _post(ingest_server, token, run_id, "n1", allocation=BOBS_ALLOCATION)
     _post(ingest_server, token, run_id, "n2", events=[_fault(79, "drain")])
@@ -300,7 +307,7 @@ def test_a_checked_report_adopts_the_job_the_client_never_attached(
     _pass(database, slurm)
     with database.session() as s:
         (attempt,) = s.scalars(select(Attempt)).all()
-        assert (attempt.number, attempt.slurm_job_id) == (1, "14")
+        assert (attempt.number, attempt.slurm_job_id) == (1, JOB)
         assert sorted(n.node for n in attempt.nodes) == ["n1", "n2", "n3"]
 
 

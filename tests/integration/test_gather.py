@@ -6,7 +6,7 @@ from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 
 from sqlalchemy import event, select
-from support.slurm_recordings import ReplayRunner
+from support.slurm_recordings import ReplayRunner, recorded_jobs
 
 from slurmft.controller.decide import Policy, TrustPolicy, decide, lemon_nodes
 from slurmft.controller.observe import gather, observe, read_slurm
@@ -31,6 +31,7 @@ from slurmft.slurm.cli_backend import CliSlurmClient
 from slurmft.slurm.states import JobState
 
 NOW = datetime.now(UTC)
+JOB = recorded_jobs()[0]  # the recording's running job, later requeued
 
 
 def _seed(database: Database) -> None:
@@ -49,7 +50,7 @@ def _seed(database: Database) -> None:
         run.state = RunState.RUNNING
         s.add(
             Attempt(
-                run_id="r14", number=1, slurm_job_id="14", submitted_at=NOW - timedelta(minutes=10)
+                run_id="r14", number=1, slurm_job_id=JOB, submitted_at=NOW - timedelta(minutes=10)
             )
         )
         # What the ingest endpoint wrote for an agent's report of an Xid 79 on n2, judged the
@@ -126,7 +127,7 @@ def test_slurm_unreachable_means_no_view(database: Database) -> None:
     _seed(database)
     runner = ReplayRunner(["squeue_unreachable"])
     with database.session() as s:
-        # The run's attempt asks for job 14, exactly what the recording asked for.
+        # The run's attempt asks for its job, exactly what the recording asked for.
         view = observe(s, CliSlurmClient(runner), now=NOW)
     assert not view.slurm_reachable and view.runs == ()
 
@@ -141,7 +142,7 @@ def _running_attempt(database: Database, batch_host: str) -> None:
             Attempt(
                 run_id="r14",
                 number=1,
-                slurm_job_id="14",
+                slurm_job_id=JOB,
                 state=AttemptState.RUNNING,
                 batch_host=batch_host,
                 submitted_at=NOW - timedelta(minutes=10),
@@ -171,10 +172,10 @@ def test_a_requeue_seen_only_while_completing_opens_the_next_attempt(database: D
 def test_a_requeue_first_seen_running_again_opens_a_running_attempt(database: Database) -> None:
     # The next attempt is read before it was ever inserted: its state must already be set.
     _running_attempt(database, batch_host="n1")
-    again = JobInfo("14", JobState.RUNNING, nodes=("n2", "n3"), batch_host="n2", restarts=1)
+    again = JobInfo(JOB, JobState.RUNNING, nodes=("n2", "n3"), batch_host="n2", restarts=1)
     with database.session() as s:
         runs = {"r14": (s.get(Run, "r14"), s.scalars(select(Attempt)).one())}
-        reconcile(s, runs, {"14": again}, now=NOW)  # type: ignore[arg-type]
+        reconcile(s, runs, {JOB: again}, now=NOW)  # type: ignore[arg-type]
     assert _attempts(database) == [(1, AttemptState.REQUEUED, 0), (2, AttemptState.RUNNING, 1)]
     with database.session() as s:
         second = s.scalars(select(Attempt).where(Attempt.number == 2)).one()

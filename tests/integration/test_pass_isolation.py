@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from sqlalchemy import select
-from support.slurm_recordings import RecordedCluster, ReplayRunner
+from support.slurm_recordings import RecordedCluster, ReplayRunner, recorded_jobs
 
 from slurmft.config import load_config
 from slurmft.controller.daemon import Daemon
@@ -56,9 +56,10 @@ def test_a_bad_job_id_and_a_mistyped_submission_do_not_stop_the_pass_for_other_r
     # completed: the pass must still end B's run. A and C come first in the pass.
     seed_run(database, "run-a", job_id="x", submission=dict(MISTYPED_SUBMISSION))
     seed_run(database, "run-c", job_id="999999", submission=dict(MISTYPED_SUBMISSION))
-    seed_run(database, "rec-done", job_id="16")  # run B
-    seed_run(database, "rec-held", job_id="15", running=False)
-    seed_run(database, "run-0001", job_id="14")
+    running, held, done = recorded_jobs()
+    seed_run(database, "rec-done", job_id=done)  # run B
+    seed_run(database, "rec-held", job_id=held, running=False)
+    seed_run(database, "run-0001", job_id=running)
     # squeue for the four real job ids (not "x"), then scontrol for the ended and the gone one.
     cluster = RecordedCluster(
         ["squeue_many", "sinfo_nodes_drained", "show_job_completed", "show_job_unknown"]
@@ -94,12 +95,12 @@ def test_a_bad_job_id_is_recorded_once_not_on_every_pass(
     database: Database, seed_run: Callable[..., None]
 ) -> None:
     seed_run(database, "run-a", job_id="14_x")
-    seed_run(database, "r14", job_id="14")
+    seed_run(database, "r14", job_id=recorded_jobs()[0])
     for _ in range(2):
         runner = ReplayRunner(["squeue_requeued", "sinfo_nodes_drained", "show_job_requeued"])
         with database.session() as s:
             view = observe(s, CliSlurmClient(runner), now=datetime.now(UTC))
-        assert runner.exhausted  # squeue asked for job 14 only
+        assert runner.exhausted  # squeue asked for that job only
         assert {r.run_id: r.job is not None for r in view.runs} == {"run-a": False, "r14": True}
     with database.session() as s:
         errors = s.scalars(select(Event).where(Event.kind == EventKind.CONTROL_ERROR)).all()

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support.slurm_recordings import RecordedCluster
+from support.slurm_recordings import RecordedCluster, recorded_jobs
 
 from slurmft.controller.admins import Admins
 from slurmft.controller.rpc import DaemonUnreachable, RpcError, RpcServer, call
@@ -130,20 +130,22 @@ def test_a_job_is_attached_only_to_its_owners_run_that_it_names(
 ) -> None:
     """Naming someone else's job would make the daemon cancel or requeue it with its own rights
     (`slurmft cancel`, a crash-loop stop, a batch-host requeue): Slurm's record decides."""
-    # Job 14 in the recording: UserId=root(0), Comment=slurmft-run:run-0001.
-    seed_run(database, "run-0001", job_id="13", owner_uid=0, owner_name="root")
-    refused = _call_as(ALICE, socket_path, "attach_job", run_id="ra", job_id="14")
+    # The recording's running job: UserId=root(0), Comment=slurmft-run:run-0001.
+    job = recorded_jobs()[0]
+    earlier = f"{job}0"  # the run's first attempt's job, another one
+    seed_run(database, "run-0001", job_id=earlier, owner_uid=0, owner_name="root")
+    refused = _call_as(ALICE, socket_path, "attach_job", run_id="ra", job_id=job)
     assert refused == {
-        "error": "job 14 is not run ra's: job 14 belongs to uid 0, the run to uid 15001"
+        "error": f"job {job} is not run ra's: job {job} belongs to uid 0, the run to uid 15001"
     }
-    wrong_run = call_error(socket_path, "attach_job", run_id="rb", job_id="14")
+    wrong_run = call_error(socket_path, "attach_job", run_id="rb", job_id=job)
     assert "belongs to uid 0, the run to uid 15002" in wrong_run
     unknown = call_error(socket_path, "attach_job", run_id="rb", job_id="999999")
     assert unknown == "Slurm has no job 999999"
     assert _attempts(database, "ra") == [str(ALICE)] and _attempts(database, "rb") == [str(BOB)]
-    attached = call(socket_path, "attach_job", run_id="run-0001", job_id="14")
-    assert attached == {"run_id": "run-0001", "attempt": 2, "job_id": "14"}
-    assert _attempts(database, "run-0001") == ["13", "14"]
+    attached = call(socket_path, "attach_job", run_id="run-0001", job_id=job)
+    assert attached == {"run_id": "run-0001", "attempt": 2, "job_id": job}
+    assert _attempts(database, "run-0001") == [earlier, job]
 
 
 def call_error(path: Path, op: str, **args: Any) -> str:

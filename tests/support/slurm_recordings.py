@@ -78,3 +78,11 @@ def jobs_asked(result: CommandResult) -> list[str]:
 
 def job_id_of(result: CommandResult) -> str:
     return result.argv[-1]
+
+
+def recorded_jobs() -> tuple[str, str, str]:
+    """The recording's running, held and completed jobs, as squeue_many asked for them
+    (record.py submits them first). Tests seed their runs with these ids: a new recording
+    numbers them anew."""
+    running, held, done, _unknown = jobs_asked(load_recording("squeue_many"))
+    return running, held, done

@@ -65,7 +65,7 @@ def agent_step(nodes: int, directory: Path) -> list[str]:
 
 
 class RecordedSlurm:
-    """tests/fixtures/slurm/record.py's cluster: job 14 on n1-n3 (batch host n1), then n1
+    """tests/fixtures/slurm/record.py's cluster: its running job on n1-n3 (batch host n1), then n1
     killed, then the job requeued without n2; n6 drained with a hostile reason."""
 
     # Answers that hold at every moment of the recording.

@@ -176,13 +176,16 @@ class RequeueAnswersAnError(ReplayRunner):
 
 def test_a_requeue_slurm_carried_out_is_done_though_scontrol_failed() -> None:
     runner = RequeueAnswersAnError(carried_out=True)
-    CliSlurmClient(runner).requeue("14")  # Restarts 0 -> 1: done, not retried later
+    # Restarts 0 -> 1: done, not retried later
+    CliSlurmClient(runner).requeue(job_id_of(load_recording("show_job_running")))
     assert [call[1] for call in runner.calls] == ["--oneliner", "requeue", "--oneliner"]
 
 
 def test_a_requeue_that_did_not_happen_still_fails() -> None:
     with pytest.raises(SlurmBadRequest, match="Unexpected message"):
-        CliSlurmClient(RequeueAnswersAnError(carried_out=False)).requeue("14")
+        CliSlurmClient(RequeueAnswersAnError(carried_out=False)).requeue(
+            job_id_of(load_recording("show_job_running"))
+        )
 
 
 def test_a_shrunk_jobs_step_still_names_the_node_it_lost(replay: Replay) -> None:

@@ -6,7 +6,7 @@ import json
 from collections.abc import Callable
 
 import pytest
-from support.slurm_recordings import ReplayRunner
+from support.slurm_recordings import ReplayRunner, job_id_of
 
 from slurmft.slurm import CliSlurmClient, commands
 from slurmft.slurm.api import SlurmBadRequest, SlurmError
@@ -188,12 +188,13 @@ def test_requeued_with_a_node_excluded(recorded: Recorded) -> None:
 def test_a_job_is_the_runs_only_with_its_owner_and_its_comment(recorded: Recorded) -> None:
     """What the daemon checks before it cancels, requeues or adopts a job for a run."""
     job = job_from_scontrol(parse_scontrol_records(recorded("show_job_running").stdout)[0])
+    assert job.job_id == job_id_of(recorded("show_job_running"))
     assert not_the_runs_job(job, "run-0001", owner_uid=0) is None
     assert not_the_runs_job(job, "run-0001", owner_uid=1001) == (
-        "job 14 belongs to uid 0, the run to uid 1001"
+        f"job {job.job_id} belongs to uid 0, the run to uid 1001"
     )
     assert not_the_runs_job(job, "run-0002", owner_uid=0) == (
-        "job 14 is tagged with run run-0001, not run run-0002"
+        f"job {job.job_id} is tagged with run run-0001, not run run-0002"
     )
     untagged = job_from_scontrol(
         {**parse_scontrol_line(recorded("show_job_running").stdout), "Comment": "(null)"}
@@ -203,7 +204,7 @@ def test_a_job_is_the_runs_only_with_its_owner_and_its_comment(recorded: Recorde
         {**parse_scontrol_line(recorded("show_job_running").stdout), "UserId": "?"}
     )
     assert not_the_runs_job(unknown_owner, "run-0001", owner_uid=0) == (
-        "Slurm did not say who owns job 14"
+        f"Slurm did not say who owns job {job.job_id}"
     )
 
 
@@ -214,8 +215,10 @@ def test_one_users_jobs_name_the_action_that_submitted_them(
     client, runner = replay("squeue_user")
     jobs = client.jobs_of_user(0)
     assert runner.exhausted
-    assert sorted(jobs) == ["1", "2"]
-    tagged, plain = jobs["2"], jobs["1"]
+    assert all(job_id == job.job_id for job_id, job in jobs.items())
+    # The user's other jobs are there too: a held one, and the running one of a full recording.
+    by_run = {run_id_from_comment(job.comment): job for job in jobs.values()}
+    tagged, plain = by_run["rec-resubmitted"], by_run["rec-held"]
     assert tagged.comment == comment_for_run("rec-resubmitted", 7)
     assert run_id_from_comment(tagged.comment) == "rec-resubmitted"
     assert action_id_from_comment(tagged.comment) == 7
