@@ -134,6 +134,7 @@ def test_a_pass_that_outlasts_its_ticks_is_said_once_not_per_tick(
     """A pass held past several 0.5 s ticks: one WARNING when the first tick is skipped, one INFO
     when it ends with the ticks it skipped, and none of APScheduler's per-tick lines."""
     caplog.set_level(logging.INFO)
+    caplog.set_level(logging.INFO, logger="apscheduler")  # as a fresh process has it
     slurm = BlockedSlurm()
     daemon = _daemon(tmp_path, slurm).start()
     registry = daemon.metrics.registry

@@ -30,8 +30,13 @@ SKIPS_BEFORE_RELEASE = 4
 
 
 @pytest.fixture
-def scheduler_logger() -> Iterator[logging.Logger]:
+def scheduler_logger(caplog: pytest.LogCaptureFixture) -> Iterator[logging.Logger]:
+    """APScheduler's logger as a fresh process has it, at INFO: without the filter, which a
+    daemon made earlier in this process (another test's) has added."""
     logger = logging.getLogger("apscheduler.scheduler")
+    logger.removeFilter(_not_a_busy_skip)
+    caplog.set_level(logging.INFO)
+    caplog.set_level(logging.INFO, logger="apscheduler")  # setup_logging raises it to WARNING
     yield logger
     logger.removeFilter(_not_a_busy_skip)
 
@@ -70,7 +75,6 @@ def lines(caplog: pytest.LogCaptureFixture, logger: str, text: str) -> list[logg
 def test_an_overrun_is_said_once_when_it_starts_and_once_when_it_ends(
     caplog: pytest.LogCaptureFixture, scheduler_logger: logging.Logger
 ) -> None:
-    caplog.set_level(logging.INFO)
     quiet_busy_skips()
     skipped = run_one_long_job(BusyJobs())
     assert skipped >= SKIPS_BEFORE_RELEASE
@@ -87,7 +91,6 @@ def test_without_the_filter_apscheduler_says_every_skipped_tick(
     caplog: pytest.LogCaptureFixture, scheduler_logger: logging.Logger
 ) -> None:
     """What the filter removes: the line per tick that a stuck pass used to repeat."""
-    caplog.set_level(logging.INFO)
     skipped = run_one_long_job(BusyJobs())
     assert len(lines(caplog, "apscheduler.scheduler", "maximum number of running")) == skipped
 
