@@ -4,7 +4,9 @@ Usage (scripts/test calls it):
     suite_summary.py --budget-s 2700 --wall-s 812 [--cpu-at-start "$(head -1 /proc/stat)"] \\
         --phase parallel RC results/parallel.xml --phase serial RC results/serial.xml
 
-Prints one line per phase, the wall time against the budget, the CPU time the machine was busy
+Prints each failed test with the first of its message (CI shows a log's tail, where pytest's
+own report of a first phase's failures may not reach), one line per phase, the wall time against
+the budget, the CPU time the machine was busy
 for meanwhile (from /proc/stat: Slurm, PostgreSQL and every process the tests start, counted;
 what decides the suite's wall time on two cores), and last a plain closing line
 `suite: N passed, N failed, N skipped` for the whole suite. Exits 0 only when every phase passed
@@ -55,6 +57,47 @@ def read_junit(path: Path) -> Counts:
     return total
 
 
+FAILURE_SHOWN_CHARS = 1500  # of each failure's message: the assertion and its first context
+FAILURES_SHOWN = 5
+
+
+@dataclass(frozen=True)
+class Failure:
+    test: str  # pytest's node id, as near as the report names it
+    message: str
+
+
+def read_failures(path: Path) -> list[Failure]:
+    """The failed and errored tests of one pytest --junitxml report, with their messages."""
+    failures = []
+    for case in ET.parse(path).getroot().iter("testcase"):
+        for outcome in (*case.iter("failure"), *case.iter("error")):
+            test = node_id(case.get("classname", ""), case.get("name", ""))
+            failures.append(Failure(test, outcome.get("message") or (outcome.text or "")))
+    return failures
+
+
+def node_id(classname: str, name: str) -> str:
+    """pytest's node id from a report's dotted classname ("tests.unit.test_x" or, for a test in
+    a class, "tests.unit.test_x.TestY") and the test's name."""
+    parts = classname.split(".") if classname else []
+    classes: list[str] = []
+    while parts and parts[-1][:1].isupper():
+        classes.insert(0, parts.pop())
+    module = "/".join(parts) + ".py" if parts else ""
+    return "::".join(p for p in (module, *classes, name) if p)
+
+
+def show_failures(phase: str, failures: list[Failure]) -> None:
+    for failure in failures[:FAILURES_SHOWN]:
+        message = failure.message.strip()
+        if len(message) > FAILURE_SHOWN_CHARS:
+            message = message[:FAILURE_SHOWN_CHARS] + f" [... {len(message)} characters in all]"
+        print(f"failed in phase {phase}: {failure.test}\n    {message}")
+    if len(failures) > FAILURES_SHOWN:
+        print(f"failed in phase {phase}: {len(failures) - FAILURES_SHOWN} more (pytest's report)")
+
+
 def busy_cpu_s(start: str, end: str) -> float:
     """CPU seconds the machine was busy between two first lines of /proc/stat ("cpu  user nice
     system idle iowait irq softirq steal ..." in clock ticks): all but idle and iowait."""
@@ -72,9 +115,12 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--phase", nargs=3, action="append", metavar=("NAME", "RC", "JUNIT"))
     args = parser.parse_args(argv)
 
+    phases = [(name, int(rc), Path(junit)) for name, rc, junit in args.phase or []]
+    for name, _, report in phases:
+        if report.exists():
+            show_failures(name, read_failures(report))
     total, ok = Counts(), True
-    for name, rc_text, junit in args.phase or []:
-        rc, report = int(rc_text), Path(junit)
+    for name, rc, report in phases:
         if not report.exists():
             print(f"phase {name}: pytest exited {rc} and wrote no report", flush=True)
             ok = False

@@ -102,3 +102,63 @@ def test_the_cpu_time_is_the_machines_busy_time_since_the_start(
     (line,) = [x for x in capsys.readouterr().out.splitlines() if x.startswith("suite CPU")]
     now = Path("/proc/stat").read_text().splitlines()[0]
     assert int(line.split()[3]) == pytest.approx(summary.busy_cpu_s(start, now), abs=2)
+
+
+def test_each_failure_is_shown_with_its_message_before_the_closing_lines(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """CI shows the log's tail: the first phase's failures are repeated there, each with the
+    start of its message, as pytest's --junitxml wrote them."""
+    long_message = "assert 5 <= 4, " + "x" * 5000
+    attribute = long_message.replace("<", "&lt;")
+    (tmp_path / "parallel.xml").write_text(
+        '<?xml version="1.0" encoding="utf-8"?><testsuites name="pytest tests">'
+        '<testsuite name="pytest" errors="1" failures="1" skipped="0" tests="3" time="1.0">'
+        '<testcase classname="tests.integration.slurm.test_crash_loop_e2e" name="test_cap">'
+        f'<failure message="{attribute}">traceback</failure></testcase>'
+        '<testcase classname="tests.unit.test_suite_summary.TestY" name="test_z[sqlite]">'
+        '<error message="failed on setup with &quot;OSError: port in use&quot;">tb</error>'
+        '</testcase><testcase classname="tests.unit.test_suite_summary" name="test_ok" />'
+        "</testsuite></testsuites>"
+    )
+    summary = load()
+    argv = ["--budget-s", "100", "--wall-s", "10",
+            "--phase", "parallel", "1", str(tmp_path / "parallel.xml"),
+            "--phase", "serial", "0", junit(tmp_path / "serial.xml", tests=2)]  # fmt: skip
+    assert summary.main(argv) == 1
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert lines[0] == (
+        "failed in phase parallel: tests/integration/slurm/test_crash_loop_e2e.py::test_cap"
+    )
+    assert lines[1].startswith("    assert 5 <= 4, xxx")
+    assert lines[1].endswith(f"x [... {len(long_message)} characters in all]")
+    assert len(lines[1]) < summary.FAILURE_SHOWN_CHARS + 60
+    assert lines[2:4] == [
+        "failed in phase parallel: tests/unit/test_suite_summary.py::TestY::test_z[sqlite]",
+        '    failed on setup with "OSError: port in use"',
+    ]
+    assert lines[4] == "phase parallel: 1 passed, 2 failed, 0 skipped (pytest exit 1)"
+    assert lines[-1] == "suite: 3 passed, 2 failed, 0 skipped"
+
+
+def test_past_five_failures_the_rest_are_counted(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cases = "".join(
+        f'<testcase classname="tests.unit.test_suite_summary" name="test_{i}">'
+        f'<failure message="m{i}" /></testcase>'
+        for i in range(7)
+    )
+    (tmp_path / "serial.xml").write_text(
+        '<testsuites><testsuite name="pytest" errors="0" failures="7" skipped="0" tests="7">'
+        f"{cases}</testsuite></testsuites>"
+    )
+    summary = load()
+    argv = ["--budget-s", "100", "--wall-s", "10",
+            "--phase", "serial", "1", str(tmp_path / "serial.xml")]  # fmt: skip
+    assert summary.main(argv) == 1
+    shown = [x for x in capsys.readouterr().out.splitlines() if x.startswith("failed in")]
+    module = "tests/unit/test_suite_summary.py"
+    assert shown[:5] == [f"failed in phase serial: {module}::test_{i}" for i in range(5)]
+    assert shown[5:] == ["failed in phase serial: 2 more (pytest's report)"]
