@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import importlib.machinery
 import importlib.util
+import os
+import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -90,3 +94,76 @@ def test_bad_node_names(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
 def test_export_line_is_shell_quoted(monkeypatch: pytest.MonkeyPatch) -> None:
     script = load_script(monkeypatch, SLURMFT_CLUSTER_ROOT="/tmp/a dir")
     assert script.export_line() == "export SLURM_CONF='/tmp/a dir/etc/slurm.conf'"
+
+
+# A process that starts a child in a process group of its own, in its session (as a batch
+# script's bash starts srun), and waits. The child exits when it gets SIGHUP, leaving a mark.
+TREE = """
+import signal, subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c", sys.argv[1], sys.argv[2]], process_group=0)
+time.sleep(120)
+"""
+HUP_MARKED = """
+import pathlib, signal, subprocess, sys, time
+mark = pathlib.Path(sys.argv[1])
+signal.signal(signal.SIGHUP, lambda *_: (mark.write_text("woken by SIGHUP"), sys.exit(0)))
+subprocess.Popen(["sleep", "120"])
+time.sleep(120)
+"""
+
+
+def _started_tree(script: ModuleType, mark: Path) -> tuple[subprocess.Popen[bytes], list[int]]:
+    """The parent, then its child and grandchild once they are all there."""
+    parent = subprocess.Popen(
+        [sys.executable, "-c", TREE, HUP_MARKED, str(mark)], start_new_session=True
+    )
+    deadline = time.monotonic() + 30
+    while len(script.with_descendants({parent.pid})) < 3:
+        assert time.monotonic() < deadline, "the process tree did not start"
+        time.sleep(0.05)
+    tree = script.children_by_parent()
+    (child,) = tree[parent.pid]
+    (grandchild,) = tree[child]
+    return parent, [parent.pid, child, grandchild]
+
+
+def _gone(pids: list[int]) -> bool:
+    return all(not Path(f"/proc/{pid}").exists() for pid in pids)
+
+
+def test_a_node_kill_kills_children_before_their_parents(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A stopped process whose parent dies first is woken by the kernel (SIGHUP, SIGCONT: its
+    process group is orphaned). On a killed batch host that is srun, which then ends its step
+    on every other node; a lost host does nothing of the kind. Children first, nothing wakes."""
+    script = load_script(monkeypatch, SLURMFT_CLUSTER_ROOT=str(tmp_path))
+    mark = tmp_path / "woken"
+    parent, (parent_pid, child, grandchild) = _started_tree(script, mark)
+    try:
+        order = script.children_first({parent_pid, child, grandchild})
+        assert order.index(grandchild) < order.index(child) < order.index(parent_pid)
+        assert sorted(script.hard_kill({parent_pid})) == sorted([parent_pid, child, grandchild])
+        parent.wait(timeout=10)
+        assert script.wait_until(lambda: _gone([child, grandchild]), 10, 0.05)
+        assert not mark.exists()
+    finally:
+        script.hard_kill({parent.pid})
+        parent.wait(timeout=10)
+
+
+def test_the_kernel_wakes_a_stopped_child_whose_parent_is_killed_first(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The rule `children_first` avoids, shown: the parent killed while its child is stopped."""
+    script = load_script(monkeypatch, SLURMFT_CLUSTER_ROOT=str(tmp_path))
+    mark = tmp_path / "woken"
+    parent, (parent_pid, child, grandchild) = _started_tree(script, mark)
+    try:
+        script.stop_tree({child})
+        os.kill(parent_pid, signal.SIGKILL)
+        parent.wait(timeout=10)
+        assert script.wait_until(mark.exists, 10, 0.05)
+        assert mark.read_text() == "woken by SIGHUP"
+    finally:
+        script.hard_kill({child, grandchild})
