@@ -233,7 +233,9 @@ def test_three_failures_cost_what_the_step_log_says(
             (event.lost_replay_s, (true.replay_s, true.replay_s)),
         ):
             margin = max(2.0, 0.1 * high)
-            assert low - margin <= figure <= high + margin, [*report, *_timeline(run, truth)]
+            assert low - margin <= figure <= high + margin, "\n".join(
+                [*report, *_timeline(run, truth)]
+            )
         assert event.time_lost_estimate is False
         assert event.details["goodput"]["last_step"] == true.last_step
     assert recorded[2].lost_queue_wait_s is not None and recorded[2].lost_queue_wait_s >= 0
