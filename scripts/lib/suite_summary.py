@@ -4,11 +4,11 @@ Usage (scripts/test calls it):
     suite_summary.py --budget-s 2700 --wall-s 812 [--cpu-at-start "$(head -1 /proc/stat)"] \\
         --phase parallel RC results/parallel.xml --phase serial RC results/serial.xml
 
-Prints each failed test with the first of its message (CI shows a log's tail, where pytest's
+Prints each failed test with the start of its message (CI shows a log's tail, which pytest's
 own report of a first phase's failures may not reach), one line per phase, the wall time against
-the budget, the CPU time the machine was busy
-for meanwhile (from /proc/stat: Slurm, PostgreSQL and every process the tests start, counted;
-what decides the suite's wall time on two cores), and last a plain closing line
+the budget, the CPU time the machine was busy for meanwhile (from /proc/stat: Slurm, PostgreSQL
+and every process the tests start, counted; what decides the suite's wall time on two cores),
+and last a plain closing line
 `suite: N passed, N failed, N skipped` for the whole suite. Exits 0 only when every phase passed
 (pytest's exit 5, "no tests collected", is fine for one phase while another ran tests), the suite
 ran at least one test, and it stayed inside the budget.
