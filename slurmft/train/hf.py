@@ -7,6 +7,7 @@
     trainer = Trainer(model, args, train_dataset=data, callbacks=[callback])
     with exit_on_collective_error(callback.channel):     # a peer died -> exit 75 for the agent
         trainer.train(resume_from_checkpoint=get_last_checkpoint(args.output_dir) is not None)
+    trainer.accelerator.state.destroy_process_group()   # the Trainer leaves it alive (below)
 
 `Trainer` already resumes exactly on its own at the same world size: its checkpoint-N folder
 holds the weights, optimizer, scheduler, every rank's RNG and the step, and on resume it skips
@@ -22,6 +23,10 @@ The callback adds (docs/train.md, "Hugging Face Trainer"):
   rank makes every rank save at the same step (the Trainer's own save, `control.should_save`);
 - the global batch and the LR schedule, written beside each checkpoint (`slurmft.json`) and
   checked unchanged when a run resumes from one.
+
+The Trainer does not destroy its process group, and an interpreter that exits with a gloo group
+alive can abort after a finished run (SIGABRT: a failure to torchrun), so the script destroys
+it once `train()` has returned.
 """
 
 from __future__ import annotations

@@ -115,6 +115,11 @@ def main(argv: list[str] | None = None) -> None:
     resume = get_last_checkpoint(str(folder)) if folder.is_dir() else None  # type: ignore[no-untyped-call]
     with exit_on_collective_error(callback.channel):
         trainer.train(resume_from_checkpoint=resume)
+    # The Trainer leaves its process group alive, and an interpreter that exits with a gloo group
+    # alive can abort (SIGABRT, "terminate called without an active exception": seen here once
+    # after a finished run; pytorch/pytorch#190489), which torchrun reports as the rank's failure.
+    # Only after a clean finish: on an error the peers may still be inside a collective.
+    trainer.accelerator.state.destroy_process_group()
 
 
 if __name__ == "__main__":
