@@ -28,9 +28,13 @@ def _serial_marks(source: str) -> tuple[bool, set[str]]:
     aliases: set[str] = set()
     whole = False
     for statement in tree.body:
-        if not isinstance(statement, ast.Assign):
+        if isinstance(statement, ast.Assign):
+            targets = statement.targets
+        elif isinstance(statement, ast.AnnAssign) and statement.value is not None:
+            targets = [statement.target]  # `pytestmark: list[Mark] = [...]`
+        else:
             continue
-        names = {t.id for t in statement.targets if isinstance(t, ast.Name)}
+        names = {t.id for t in targets if isinstance(t, ast.Name)}
         value = statement.value
         marks = value.elts if isinstance(value, ast.List | ast.Tuple) else [value]
         if "pytestmark" in names:
@@ -101,6 +105,8 @@ def test_markers_are_read_at_module_level_by_alias_and_per_test() -> None:
     )
     assert _serial_marks(source) == (True, {"test_a", "test_b"})
     assert _serial_marks("import pytest\npytestmark = pytest.mark.slurm\n") == (False, set())
+    annotated = "import pytest\npytestmark: list[object] = [pytest.mark.serial]\n"
+    assert _serial_marks(annotated) == (True, set())
 
 
 def test_a_row_names_a_module_a_node_id_or_a_module_and_its_tests() -> None:
