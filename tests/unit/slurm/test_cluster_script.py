@@ -131,6 +131,13 @@ def _gone(pids: list[int]) -> bool:
     return all(not Path(f"/proc/{pid}").exists() for pid in pids)
 
 
+def _command_line(pid: int) -> bytes | None:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return None
+
+
 def test_a_node_kill_kills_children_before_their_parents(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
@@ -161,6 +168,7 @@ def test_the_kernel_wakes_a_stopped_child_whose_parent_is_killed_first(
     script = load_script(monkeypatch, SLURMFT_CLUSTER_ROOT=str(tmp_path))
     mark = tmp_path / "woken"
     parent, (parent_pid, child, grandchild) = _started_tree(script, mark)
+    started = {pid: _command_line(pid) for pid in (child, grandchild)}
     try:
         script.stop_tree({child})
         os.kill(parent_pid, signal.SIGKILL)
@@ -169,5 +177,8 @@ def test_the_kernel_wakes_a_stopped_child_whose_parent_is_killed_first(
         assert script.wait_until(lambda: _gone([child]), 10, 0.05), "the stopped child slept on"
         assert mark.read_text() == "woken by SIGHUP"
     finally:
-        # The child exits on SIGHUP; what is left of the tree (the orphaned sleep) goes.
-        script.hard_kill({pid for pid in (child, grandchild) if not _gone([pid])})
+        # The child exits on SIGHUP; what is left of the tree (the orphaned sleep) goes. Init
+        # reaps them, so a pid is killed only while it still runs what it ran: a reaped one may
+        # be another test's process by now (pid_max 32768), and hard_kill takes its tree too.
+        ours = {pid for pid, line in started.items() if line and _command_line(pid) == line}
+        script.hard_kill(ours)
