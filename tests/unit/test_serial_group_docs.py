@@ -8,6 +8,8 @@ import ast
 import re
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 TESTS = REPO / "tests"
 TESTING_MD = REPO / "docs" / "testing.md"
@@ -23,10 +25,13 @@ def _is_serial_mark(node: ast.expr, aliases: set[str]) -> bool:
 
 def _serial_marks(source: str) -> tuple[bool, set[str]]:
     """Whether a test module is serial as a whole (its `pytestmark`), and which of its test
-    functions are marked one by one."""
+    functions are marked one by one. A serial mark anywhere else (on a class, in
+    `pytest.param(marks=...)`) is not mapped to tests here, so it fails the parse instead of
+    passing unseen."""
     tree = ast.parse(source)
     aliases: set[str] = set()
     whole = False
+    placed: set[ast.expr] = set()  # the mark nodes accounted for
     for statement in tree.body:
         if isinstance(statement, ast.Assign):
             targets = statement.targets
@@ -38,18 +43,31 @@ def _serial_marks(source: str) -> tuple[bool, set[str]]:
         value = statement.value
         marks = value.elts if isinstance(value, ast.List | ast.Tuple) else [value]
         if "pytestmark" in names:
-            whole = whole or any(_is_serial_mark(m, aliases) for m in marks)
+            serial = [m for m in marks if _is_serial_mark(m, aliases)]
+            whole = whole or bool(serial)
+            placed |= set(serial)
         elif _is_serial_mark(value, aliases):
             aliases |= names
-    functions = {
-        node.name
+            placed.add(value)
+    functions: set[str] = set()
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            continue
+        for decorator in node.decorator_list:
+            mark = decorator.func if isinstance(decorator, ast.Call) else decorator
+            if _is_serial_mark(mark, aliases):
+                functions.add(node.name)
+                placed.add(mark)
+    unplaced = [
+        node.lineno
         for node in ast.walk(tree)
-        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
-        and any(
-            _is_serial_mark(d.func if isinstance(d, ast.Call) else d, aliases)
-            for d in node.decorator_list
-        )
-    }
+        if isinstance(node, ast.Attribute | ast.Name)
+        and isinstance(node.ctx, ast.Load)
+        and _is_serial_mark(node, aliases)
+        and node not in placed
+    ]
+    if unplaced:
+        raise ValueError(f"a serial mark this check does not map to tests, at lines {unplaced}")
     return whole, functions
 
 
@@ -107,6 +125,18 @@ def test_markers_are_read_at_module_level_by_alias_and_per_test() -> None:
     assert _serial_marks("import pytest\npytestmark = pytest.mark.slurm\n") == (False, set())
     annotated = "import pytest\npytestmark: list[object] = [pytest.mark.serial]\n"
     assert _serial_marks(annotated) == (True, set())
+
+
+def test_a_serial_mark_on_a_class_or_a_param_is_refused_not_missed() -> None:
+    on_a_class = "import pytest\n@pytest.mark.serial\nclass TestX:\n    def test_a(self): ...\n"
+    in_a_param = (
+        "import pytest\n"
+        "@pytest.mark.parametrize('x', [pytest.param(1, marks=pytest.mark.serial)])\n"
+        "def test_a(x): ...\n"
+    )
+    for source in (on_a_class, in_a_param):
+        with pytest.raises(ValueError, match="does not map"):
+            _serial_marks(source)
 
 
 def test_a_row_names_a_module_a_node_id_or_a_module_and_its_tests() -> None:
