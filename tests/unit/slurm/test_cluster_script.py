@@ -13,6 +13,7 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+from support.processes import argv_of
 
 SCRIPT = Path(__file__).resolve().parents[3] / "scripts" / "slurm-cluster"
 
@@ -131,10 +132,10 @@ def _gone(pids: list[int]) -> bool:
     return all(not Path(f"/proc/{pid}").exists() for pid in pids)
 
 
-def _command_line(pid: int) -> bytes | None:
+def _command_line(pid: int) -> list[str] | None:
     try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
+        return argv_of(pid)
+    except OSError:  # exited
         return None
 
 
