@@ -172,6 +172,11 @@ def test_the_kernel_wakes_a_stopped_child_whose_parent_is_killed_first(
     started = {pid: _command_line(pid) for pid in (child, grandchild)}
     try:
         script.stop_tree({child})
+        # A process takes its SIGSTOP when it next runs, which on loaded cores is a while later;
+        # the kernel wakes only a group that is stopped when the parent dies.
+        assert script.wait_until(
+            lambda: all(script.process_state(pid) == "T" for pid in (child, grandchild)), 30, 0.05
+        ), "the child did not stop"
         os.kill(parent_pid, signal.SIGKILL)
         parent.wait(timeout=10)
         # The child exits only after writing its mark: a mark merely there may still be empty.
