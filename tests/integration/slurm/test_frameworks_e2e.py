@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -19,6 +18,7 @@ import pytest
 from daemon_process import DaemonProcess
 from e2e_run import submit
 from local_cluster import Cluster
+from support.processes import run_dumping_stacks_on_overrun
 from support.waiting import wait_for_value
 
 from slurmft.db.models import Event, EventKind
@@ -41,9 +41,9 @@ def _uninterrupted(module: str, workdir: Path) -> dict[int, float]:
     argv = [torchrun, "--standalone", "--nproc-per-node=2", "-m", module,
             "--ckpt-dir", str(workdir / "ckpt"), "--out-dir", str(out), *ARGS]  # fmt: skip
     env = {"PATH": str(Path(sys.executable).parent), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    done = subprocess.run(argv, cwd=workdir.parent, capture_output=True, text=True, timeout=240,
-                          env=env, check=False)  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
+    done = run_dumping_stacks_on_overrun(argv, timeout_s=240, stacks_dir=workdir / "stacks",
+                                         env=env, cwd=workdir.parent)  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:]
     records = [json.loads(line) for line in (out / "losses.jsonl").read_text().splitlines()]
     return {r["step"]: r["loss"] for r in records}
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from support.processes import run_dumping_stacks_on_overrun
 from support.waiting import wait_for
 
 from slurmft.train.report import decode
@@ -121,16 +122,14 @@ def run_module(
     ckpt = ckpt_dir or str(workdir / "ckpt")
     argv = ["--ckpt-dir", ckpt, "--out-dir", str(workdir / "out"), *args]
     extra = {"SLURMFT_AGENT_SOCKET": str(agent.path)} if agent is not None else {}
-    done = subprocess.run(
+    done = run_dumping_stacks_on_overrun(
         torchrun_command(nproc, max_restarts, argv, module=module),
-        cwd=workdir,
+        timeout_s=RUN_TIMEOUT_S,
+        stacks_dir=workdir / "stacks",
         env=torchrun_env(workdir, {**extra, **(env or {})}),
-        capture_output=True,
-        text=True,
-        timeout=RUN_TIMEOUT_S,
-        check=False,
+        cwd=workdir,
     )
-    return TinyRun(workdir, done.returncode, done.stdout + done.stderr)
+    return TinyRun(workdir, done.returncode, done.stdout)
 
 
 def copy_run(run: TinyRun, workdir: Path, keep_steps: set[int] | None = None) -> Path:
