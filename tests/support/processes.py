@@ -17,6 +17,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from slurmft.agent.procs import descendants, signal_pids
 from slurmft.agent.zygote import warm_environ
 from slurmft.train.stacks import STACKS_DIR_ENV
 
@@ -61,19 +62,6 @@ def workers(script: str, names: bytes = b"") -> Iterator[tuple[int, list[str], s
                 yield pid, argv, environ_of(pid)
         except (OSError, ValueError, IndexError):
             continue  # exited while we looked
-
-
-def descendants(pid: int) -> list[int]:
-    """Every process below ``pid``, parents before their children."""
-    found: list[int] = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        try:
-            children = [int(c) for c in (task / "children").read_text().split()]
-        except OSError:
-            continue  # the task ended while we looked
-        for child in children:
-            found += [child, *descendants(child)]
-    return found
 
 
 def catches(pid: int, signum: int) -> bool:
@@ -130,9 +118,7 @@ def run_dumping_stacks_on_overrun(
                     os.kill(pid, signum)
         time.sleep(2.0)  # faulthandler writes at once; this is for a busy machine to get to it
     # Each by pid: torchrun starts its workers in sessions of their own, and they hold the pipe.
-    for pid in [*tree, *descendants(process.pid)]:
-        with contextlib.suppress(OSError):
-            os.kill(pid, signal.SIGKILL)
+    signal_pids([*tree, *descendants(process.pid)], signal.SIGKILL)
     output, _ = process.communicate(timeout=30)
     for dump in sorted(stacks_dir.glob("stacks-*.txt")):
         report += [f"--- {dump.name}", dump.read_text()[-6000:]]
