@@ -26,7 +26,7 @@ from torch.utils.data import Dataset
 from transformers import Trainer, TrainerCallback, TrainingArguments, set_seed
 from transformers.trainer_utils import get_last_checkpoint
 
-from slurmft.train.distributed import exit_on_collective_error
+from slurmft.train.distributed import exit_finished_rank, exit_on_collective_error
 from slurmft.train.examples.framework_runs import (
     append_loss,
     crash_if_due,
@@ -115,11 +115,11 @@ def main(argv: list[str] | None = None) -> None:
     resume = get_last_checkpoint(str(folder)) if folder.is_dir() else None  # type: ignore[no-untyped-call]
     with exit_on_collective_error(callback.channel):
         trainer.train(resume_from_checkpoint=resume)
-    # The Trainer leaves its process group alive, and an interpreter that exits with a gloo group
-    # alive can abort (SIGABRT, "terminate called without an active exception": seen here once
-    # after a finished run; pytorch/pytorch#190489), which torchrun reports as the rank's failure.
-    # Only after a clean finish: on an error the peers may still be inside a collective.
-    trainer.accelerator.state.destroy_process_group()
+    # Here, with the Trainer still alive: its DDP model holds the gloo group, and freeing them
+    # as main() returns hung a finished rank here (slurmft.train.distributed says how); an
+    # interpreter exit with the group alive can abort instead. Only after a clean finish: on an
+    # error exit_on_collective_error has already left by os._exit, or the error propagates.
+    exit_finished_rank()
 
 
 if __name__ == "__main__":

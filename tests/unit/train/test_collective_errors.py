@@ -22,3 +22,34 @@ def test_which_errors_count_as_collective_failures() -> None:
     assert not is_collective_error(CheckpointException("save failed", {1: disk_full}))
     assert not is_collective_error(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
     assert not is_collective_error(ValueError("bad config"))
+
+
+FINISHED_RANK = """
+import atexit, sys
+from slurmft.train.distributed import exit_finished_rank
+
+class Held:
+    def __del__(self):
+        print("destructor ran", flush=True)
+
+def main():
+    held = Held()  # as a Trainer holds its process group
+    atexit.register(lambda: print("atexit ran", flush=True))
+    sys.stdout.write("last step logged")  # no newline, no flush: still in the buffer
+    sys.stderr.write("summary on stderr")
+    exit_finished_rank(7)
+
+main()
+"""
+
+
+def test_a_finished_rank_exits_with_its_output_flushed_and_no_destructor_run() -> None:
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", FINISHED_RANK], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 7
+    assert done.stdout == "last step logged"  # flushed; neither the destructor nor atexit ran
+    assert done.stderr == "summary on stderr"
