@@ -116,21 +116,43 @@ def use_the_workers_cluster() -> None:
     os.environ["SLURM_CONF"] = str(Path(roots[index]) / "etc" / "slurm.conf")
 
 
-PHASES = ("parallel", "serial")
+# The marks of tests that start Slurm jobs or torch processes, need the test users or their own
+# network namespaces, or hold a time bound: none of them is light.
+HEAVY_MARKS = ("serial", "slurm", "torch", "users", "netns")
+TESTS = Path(__file__).parent
+
+
+def is_light(item: pytest.Item) -> bool:
+    """A light test needs no Slurm cluster and starts no torch process: a unit test or a module
+    directly in tests/integration (the store, the daemon's servers, the command line) with none
+    of HEAVY_MARKS. They wait on nothing but themselves, so scripts/test runs them at idle CPU
+    priority beside the serial group, which leaves most of the two cores idle (docs/testing.md)."""
+    parts = Path(item.path).relative_to(TESTS).parts
+    in_scope = parts[0] == "unit" or (parts[0] == "integration" and len(parts) == 2)
+    return in_scope and not any(item.get_closest_marker(mark) for mark in HEAVY_MARKS)
+
+
+# Which tests each SLURMFT_TEST_PHASE keeps (scripts/test): `parallel` every test not in the serial
+# group; with idle CPU beside the serial group, that part is split into `heavy` (the workers'
+# phase) and `light` (the one beside the serial group).
+PHASES = {
+    "parallel": lambda item: item.get_closest_marker("serial") is None,
+    "heavy": lambda item: item.get_closest_marker("serial") is None and not is_light(item),
+    "light": is_light,
+    "serial": lambda item: item.get_closest_marker("serial") is not None,
+}
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """SLURMFT_TEST_PHASE=parallel keeps the tests not marked `serial` (scripts/test runs them on
-    xdist workers), =serial keeps only the serial group (run alone, after); unset keeps all."""
+    """SLURMFT_TEST_PHASE (one of PHASES) keeps that phase's tests; unset keeps all."""
     phase = os.environ.get("SLURMFT_TEST_PHASE", "")
     if not phase:
         return
     if phase not in PHASES:
-        raise pytest.UsageError(f"SLURMFT_TEST_PHASE must be one of {PHASES}, not {phase!r}")
+        raise pytest.UsageError(f"SLURMFT_TEST_PHASE must be one of {tuple(PHASES)}, not {phase!r}")
     keep, drop = [], []
     for item in items:
-        in_serial_group = item.get_closest_marker("serial") is not None
-        (keep if in_serial_group == (phase == "serial") else drop).append(item)
+        (keep if PHASES[phase](item) else drop).append(item)
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = keep
