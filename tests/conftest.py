@@ -116,31 +116,32 @@ def use_the_workers_cluster() -> None:
     os.environ["SLURM_CONF"] = str(Path(roots[index]) / "etc" / "slurm.conf")
 
 
-# Marks of tests that need a Slurm cluster, the test users or network namespaces, or hold a time
-# bound; and the folders whose tests start Slurm clusters or node agents (an agent's dead-peer
-# detector calls a node dead after 1.5 s of silence). None of them runs in the background.
-NOT_IN_BACKGROUND = ("serial", "slurm", "users", "netns")
+# Marks of tests that start Slurm jobs or torch processes, need the test users or network
+# namespaces, or hold a time bound; and the folders whose tests start Slurm clusters or node
+# agents. None of them runs in the background.
+NOT_IN_BACKGROUND = ("serial", "slurm", "torch", "users", "netns")
 CLUSTER_FOLDERS = (("integration", "slurm"), ("integration", "agent"))
 TESTS = Path(__file__).parent
 
 
 def runs_in_background(item: pytest.Item) -> bool:
-    """The background tests need no Slurm cluster, no node agent and no test users, and hold no
-    time bound: the unit tests, the modules directly in tests/integration (the store, the
-    daemon's servers, the command line) and tests/integration/train (torchrun on this machine),
-    less those marked as in NOT_IN_BACKGROUND. scripts/test runs them at idle CPU priority beside
-    the serial group, which leaves most of the two cores idle (docs/testing.md)."""
+    """The background tests need no Slurm cluster, no node agent, no torch process and no test
+    users, and hold no time bound: the unit tests and the modules directly in tests/integration
+    (the store, the daemon's servers, the command line), less those marked as in
+    NOT_IN_BACKGROUND. scripts/test runs them at idle CPU priority beside the serial group, which
+    leaves most of the two cores idle (docs/testing.md). Not the training runs: beside the serial
+    group, even at idle priority, their process starts slowed its end-to-end tests by a fifth."""
     if Path(item.path).relative_to(TESTS).parts[:2] in CLUSTER_FOLDERS:
         return False
     return not any(item.get_closest_marker(mark) for mark in NOT_IN_BACKGROUND)
 
 
 # Which tests each SLURMFT_TEST_PHASE keeps (scripts/test): `parallel` every test not in the serial
-# group; with idle CPU beside the serial group, that part is split into `cluster` (the workers'
+# group; with idle CPU beside the serial group, that part is split into `heavy` (the workers'
 # phase: the rest) and `background` (beside the serial group).
 PHASES = {
     "parallel": lambda item: item.get_closest_marker("serial") is None,
-    "cluster": lambda item: (
+    "heavy": lambda item: (
         item.get_closest_marker("serial") is None and not runs_in_background(item)
     ),
     "background": runs_in_background,
