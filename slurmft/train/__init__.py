@@ -7,7 +7,7 @@ and message schema: docs/train.md. Example: `slurmft/train/examples/tiny.py`.
 Process and reports
     init_distributed(timeout_s) -> DistInfo     process group with a collective timeout
     exit_on_collective_error(channel)           context: collective error -> os._exit(75)
-    exit_finished_rank()                        a finished rank ends without teardown (os._exit)
+    exit_without_teardown(code)                 flush and os._exit: no destructor, no atexit
     ReportChannel()                             non-blocking datagrams to $SLURMFT_AGENT_SOCKET
     Heartbeat(channel, interval_s, deadlines_s) phase heartbeats (Phase.INIT/STEP/CHECKPOINT/EVAL)
     install_stack_dump(rank)                    SIGUSR2 -> stacks in $SLURMFT_STACKS_DIR
@@ -47,8 +47,8 @@ _EXPORTS = {
     "VerifiedCheckpoint": "checkpoint",
     "COLLECTIVE_ERROR_EXIT_CODE": "distributed",
     "DistInfo": "distributed",
-    "exit_finished_rank": "distributed",
     "exit_on_collective_error": "distributed",
+    "exit_without_teardown": "distributed",
     "init_distributed": "distributed",
     "Heartbeat": "heartbeat",
     "Phase": "heartbeat",

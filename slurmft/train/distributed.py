@@ -96,14 +96,13 @@ def exit_on_collective_error(
         print(f"slurmft: collective error, exiting with {exit_code}", file=sys.stderr)
         if channel is not None:
             channel.send("event", event="collective_error", error=str(error)[:500])
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(exit_code)
+        exit_without_teardown(exit_code)
 
 
-def exit_finished_rank(exit_code: int = 0) -> NoReturn:
-    """End a rank whose training finished cleanly, without the interpreter's teardown: the
-    script's last line, once its checkpoints are written and its reports sent.
+def exit_without_teardown(exit_code: int = 0) -> NoReturn:
+    """End the rank now: flush stdout and stderr, then `os._exit`, so that no destructor and no
+    `atexit` handler runs. How a rank leaves after a collective error (its group is broken), on a
+    numerical stop, and as the last line of a script whose framework keeps its group alive.
 
     A framework's objects outlive its `train()`: the Hugging Face Trainer's DDP model holds its
     gloo group. Freed at the end of the script they are destroyed with the GIL held, and gloo's
@@ -111,9 +110,9 @@ def exit_finished_rank(exit_code: int = 0) -> NoReturn:
     to let go of the last collective's tensors then waits for it forever. Seen here: a rank that
     had logged its last step and the Trainer's summary, asleep in a futex while `main()`'s locals
     were freed, its peer long gone, in 2 of 12 runs of the suite under load. Nothing after the
-    last checkpoint needs those destructors, so `os._exit` skips them, and so also the abort an
-    exit with the group alive can end in (pytorch/pytorch#190489). Also skipped: `atexit`
-    handlers and unflushed files, so call it last, after anything the script does at exit.
+    last checkpoint needs those destructors, so skipping them also skips the abort an exit with
+    the group alive can end in (pytorch/pytorch#190489). Unflushed files other than stdout and
+    stderr are lost too, so call it last, after anything the script does at exit.
     """
     sys.stdout.flush()
     sys.stderr.flush()

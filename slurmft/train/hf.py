@@ -1,13 +1,13 @@
 """Hugging Face `Trainer` under slurmft: one callback.
 
-    from slurmft.train import exit_finished_rank, exit_on_collective_error
+    from slurmft.train import exit_on_collective_error, exit_without_teardown
     from slurmft.train.hf import SlurmftTrainerCallback
 
     callback = SlurmftTrainerCallback()
     trainer = Trainer(model, args, train_dataset=data, callbacks=[callback])
     with exit_on_collective_error(callback.channel):     # a peer died -> exit 75 for the agent
         trainer.train(resume_from_checkpoint=get_last_checkpoint(args.output_dir) is not None)
-    exit_finished_rank()   # a clean finish ends here: the group's teardown can hang (below)
+    exit_without_teardown()   # a clean finish ends here: the teardown can hang (below)
 
 `Trainer` already resumes exactly on its own at the same world size: its checkpoint-N folder
 holds the weights, optimizer, scheduler, every rank's RNG and the step, and on resume it skips
@@ -26,7 +26,7 @@ The callback adds (docs/train.md, "Hugging Face Trainer"):
 
 The Trainer's model holds its gloo group after `train()`, and its teardown at the interpreter's
 exit can hang or abort a finished rank (a failure to torchrun), so the script ends the rank with
-`exit_finished_rank()` once `train()` has returned (slurmft.train.distributed).
+`exit_without_teardown()` once `train()` has returned (slurmft.train.distributed).
 """
 
 from __future__ import annotations

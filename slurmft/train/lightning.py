@@ -52,7 +52,11 @@ from pytorch_lightning.plugins.io import CheckpointIO
 from torch.utils.data import DataLoader, Dataset
 
 from slurmft.errors import SlurmftError
-from slurmft.train.distributed import COLLECTIVE_ERROR_EXIT_CODE, is_collective_error
+from slurmft.train.distributed import (
+    COLLECTIVE_ERROR_EXIT_CODE,
+    exit_without_teardown,
+    is_collective_error,
+)
 from slurmft.train.heartbeat import Heartbeat, Phase
 from slurmft.train.report import ReportChannel
 from slurmft.train.resume import TrainingContract, check_resume
@@ -216,8 +220,8 @@ class SlurmftCallback(pl.Callback):
             return
         if self.channel is not None:
             self.channel.send("event", event="collective_error", error=str(exception)[:500])
-        print(f"slurmft: collective error, exiting with {COLLECTIVE_ERROR_EXIT_CODE}", flush=True)
-        os._exit(COLLECTIVE_ERROR_EXIT_CODE)
+        print(f"slurmft: collective error, exiting with {COLLECTIVE_ERROR_EXIT_CODE}")
+        exit_without_teardown(COLLECTIVE_ERROR_EXIT_CODE)
 
     # -- resume --------------------------------------------------------------------------------
     def on_save_checkpoint(

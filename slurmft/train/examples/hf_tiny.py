@@ -26,7 +26,7 @@ from torch.utils.data import Dataset
 from transformers import Trainer, TrainerCallback, TrainingArguments, set_seed
 from transformers.trainer_utils import get_last_checkpoint
 
-from slurmft.train.distributed import exit_finished_rank, exit_on_collective_error
+from slurmft.train.distributed import exit_on_collective_error, exit_without_teardown
 from slurmft.train.examples.framework_runs import (
     append_loss,
     crash_if_due,
@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> None:
     # as main() returns hung a finished rank here (slurmft.train.distributed says how); an
     # interpreter exit with the group alive can abort instead. Only after a clean finish: on an
     # error exit_on_collective_error has already left by os._exit, or the error propagates.
-    exit_finished_rank()
+    exit_without_teardown()
 
 
 if __name__ == "__main__":

@@ -52,6 +52,7 @@ from slurmft.train import (
     check_resume,
     exchange_telemetry,
     exit_on_collective_error,
+    exit_without_teardown,
     init_distributed,
     install_stack_dump,
     plan_batches,
@@ -487,12 +488,10 @@ class TinyRun:
             found = {"action": verdict.action, "samples": list(verdict.samples)}
             self.journal.event("numerical_fault", step=self.step + 1, **found)
             if verdict.action == "stop":
-                # os._exit, as on a collective error: an interpreter exit with the process
-                # group alive let gloo's threads abort the process (SIGABRT, "terminate called
-                # without an active exception") before its exit code, in one run of many.
-                sys.stdout.flush()
-                sys.stderr.flush()
-                os._exit(NUMERICAL_STOP_EXIT_CODE)
+                # As on a collective error: an interpreter exit with the process group alive
+                # let gloo's threads abort the process (SIGABRT, "terminate called without an
+                # active exception") before its exit code, in one run of many.
+                exit_without_teardown(NUMERICAL_STOP_EXIT_CODE)
             if verdict.action == "skip":  # no update; the batch's samples are passed over
                 self.sampler.advance(self.plan)
                 self.step += 1

@@ -26,7 +26,7 @@ def test_which_errors_count_as_collective_failures() -> None:
 
 FINISHED_RANK = """
 import atexit, sys
-from slurmft.train.distributed import exit_finished_rank
+from slurmft.train.distributed import exit_without_teardown
 
 class Held:
     def __del__(self):
@@ -37,7 +37,7 @@ def main():
     atexit.register(lambda: print("atexit ran", flush=True))
     sys.stdout.write("last step logged")  # no newline, no flush: still in the buffer
     sys.stderr.write("summary on stderr")
-    exit_finished_rank(7)
+    exit_without_teardown(7)
 
 main()
 """
