@@ -2,16 +2,19 @@
 
 Usage (scripts/test calls it):
     suite_summary.py --budget-s 2700 --wall-s 812 [--cpu-at-start "$(head -1 /proc/stat)"] \\
-        --phase parallel RC results/parallel.xml --phase serial RC results/serial.xml
+        --phase parallel RC results/parallel.xml --phase serial RC results/serial.xml \
+        [--static-checks RC]
 
 Prints each failed test with the start of its message (CI shows a log's tail, which pytest's
 own report of a first phase's failures may not reach), one line per phase, the wall time against
 the budget, the CPU time the machine was busy for meanwhile (from /proc/stat: Slurm, PostgreSQL
 and every process the tests start, counted; what decides the suite's wall time on two cores),
-and last a plain closing line
-`suite: N passed, N failed, N skipped` for the whole suite. Exits 0 only when every phase passed
-(pytest's exit 5, "no tests collected", is fine for one phase while another ran tests), the suite
-ran at least one test, and it stayed inside the budget.
+the exit status of the static checks when they ran beside
+the tests (the import contracts and mypy: their output is printed before this), and last a plain
+closing line `suite: N passed, N failed, N skipped` for the whole suite. Exits 0 only when every
+phase passed (pytest's exit 5, "no tests collected", is fine for one phase while another ran
+tests), the suite ran at least one test, the static checks passed, and it stayed inside the
+budget.
 """
 
 from __future__ import annotations
@@ -113,6 +116,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--wall-s", type=float, required=True)
     parser.add_argument("--cpu-at-start", help="the first line of /proc/stat when the suite began")
     parser.add_argument("--phase", nargs=3, action="append", metavar=("NAME", "RC", "JUNIT"))
+    parser.add_argument(
+        "--static-checks", type=int, metavar="RC", help="their exit status, when they ran beside"
+    )
     args = parser.parse_args(argv)
 
     phases = [(name, int(rc), Path(junit)) for name, rc, junit in args.phase or []]
@@ -132,6 +138,13 @@ def main(argv: list[str]) -> int:
     if total.ran == 0:
         print("no test ran")
         ok = False
+    if args.static_checks is not None:
+        passed = args.static_checks == 0
+        print(
+            "static checks beside the tests (import contracts, mypy): "
+            + ("passed" if passed else f"FAILED (exit {args.static_checks}; their output is above)")
+        )
+        ok &= passed
     within = args.wall_s <= args.budget_s
     print(
         f"suite wall time {args.wall_s:.0f} s of a {args.budget_s:.0f} s budget"

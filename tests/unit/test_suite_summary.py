@@ -79,6 +79,20 @@ def test_a_crashed_phase_without_a_report_fails(tmp_path: Path) -> None:
     assert run(tmp_path, ("parallel", 3, None), ("serial", 0, {"tests": 2})) == 1
 
 
+def test_static_checks_that_ran_beside_the_tests_fail_the_suite_when_they_fail(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    summary = load()
+    argv = ["--budget-s", "100", "--wall-s", "10",
+            "--phase", "serial", "0", junit(tmp_path / "serial.xml", tests=2)]  # fmt: skip
+    assert summary.main([*argv, "--static-checks", "0"]) == 0
+    assert "(import contracts, mypy): passed" in capsys.readouterr().out
+    assert summary.main([*argv, "--static-checks", "1"]) == 1
+    out = capsys.readouterr().out
+    assert "(import contracts, mypy): FAILED (exit 1" in out
+    assert out.splitlines()[-1] == "suite: 2 passed, 0 failed, 0 skipped"
+
+
 def test_over_the_budget_fails_even_when_every_test_passed(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
