@@ -37,7 +37,7 @@ install_venv_packages() {
     if ! .venv/bin/python -c 'import torch' 2>/dev/null; then
         echo "installing torch 2.13.0 (CPU build)" >&2
         .venv/bin/python -m pip install -q --no-compile torch==2.13.0 >&2
-        # torch and what it brought (sympy, networkx, ...) are half the bytecode: compiled while
+        # torch and what it brought (sympy, networkx, ...) are a third of the bytecode: compiled while
         # pip installs the rest, which mostly waits on the package indexes. A file pip replaces
         # meanwhile is compiled again below (the bytecode records its source's size and mtime).
         compile_venv "$(venv_site_packages)"/* &
@@ -54,8 +54,8 @@ install_venv_packages() {
 # again: `import torch` alone would take twice its CPU. An editable install compiles nothing of
 # slurmft itself, so it is compiled here too. Up-to-date files are skipped (a second call takes a
 # few seconds); a stale one is recompiled in memory, never trusted: Python checks the source's
-# mtime. A file that does not compile (torch ships one written for Python 3.12) is left as pip leaves
-# it: it would fail at import whatever was written.
+# mtime and size. A file that does not compile (torch ships one written for Python 3.12) is left
+# as pip leaves it: it would fail at import whatever was written.
 compile_venv() { # [paths: only these]
     if [[ $# -eq 0 ]]; then set -- "$(venv_site_packages)" slurmft migrations; fi
     .venv/bin/python -m compileall -qq -j 0 "$@" >/dev/null || true
