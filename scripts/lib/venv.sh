@@ -37,14 +37,15 @@ install_venv_packages() {
     if ! .venv/bin/python -c 'import torch' 2>/dev/null; then
         echo "installing torch 2.13.0 (CPU build)" >&2
         .venv/bin/python -m pip install -q --no-compile torch==2.13.0 >&2
-        # torch and what it brought (sympy, networkx, ...) are a third of the bytecode: compiled while
-        # pip installs the rest, which mostly waits on the package indexes. A file pip replaces
-        # meanwhile is compiled again below (the bytecode records its source's size and mtime).
+        # torch and what it brought (sympy, networkx, ...) are a third of the bytecode: compiled
+        # while pip installs the rest, which mostly waits on the package indexes. A file pip
+        # replaces meanwhile is compiled again below (bytecode records its source's size, mtime).
         compile_venv "$(venv_site_packages)"/* &
         compiling_torch=$!
     fi
     echo "installing slurmft with its extras" >&2
-    .venv/bin/python -m pip install -q --no-compile -e '.[train,postgres,dev,report,lightning,hf]' >&2
+    .venv/bin/python -m pip install -q --no-compile \
+        -e '.[train,postgres,dev,report,lightning,hf]' >&2
     if [[ -n $compiling_torch ]]; then wait "$compiling_torch"; fi
 }
 
