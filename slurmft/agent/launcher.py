@@ -10,30 +10,32 @@ AgentExit.SPARE_REFUSED, and the first N run as a job without spares: with exact
 wait-list defect cannot trigger. `--rdzv-poll-s` shortens torch's one-second rendezvous state
 poll under the same gate (rdzv_fix); refused, torch keeps its own. Every round torchrun joins is
 told to the agent and to the next workers (rounds), so each restart is counted once.
-`--warm-workers` starts the node's zygote (slurmft.agent.zygote), which forks the workers that
-torchrun's `-m slurmft.agent.warm_start` clients ask for.
+`--warm-workers` forks the node's zygote (slurmft.agent.zygote) from this process once it has
+imported torch; the zygote forks the workers that torchrun's `-m slurmft.agent.warm_start`
+clients ask for.
 """
 
 from __future__ import annotations
 
 import argparse
 import atexit
+import contextlib
 import functools
 import io
 import os
 import signal
-import subprocess
 import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from slurmft.agent import peer_detector, procs, rdzv_fix, rounds
+from slurmft.agent import peer_detector, procs, rdzv_fix, rounds, zygote
 from slurmft.agent.command import AGENT_SOCKET_ENV, WARM_START_MODULE
 from slurmft.agent.exits import AgentExit
 from slurmft.agent.peer_watch import WatchSettings
 from slurmft.agent.warm_start import ZYGOTE_SOCKET_ENV, survive_rank_signals
+from slurmft.agent.zygote import NVML_CUDA_CHECK_ENV
 from slurmft.core import torch_support
 from slurmft.train.report import ReportChannel
 
@@ -127,18 +129,68 @@ def warm_target(torchrun_args: list[str]) -> list[str]:
     raise SystemExit(f"{PREFIX} --warm-workers, but torchrun does not run {WARM_START_MODULE}")
 
 
-def start_zygote(target: list[str]) -> None:
-    """The node's zygote (slurmft.agent.zygote), started before this process imports torch so the
-    two imports overlap; its socket beside the agent's, and in the workers' environment."""
+def zygote_socket() -> str:
+    """The zygote's socket: beside the agent's, or in a folder of its own."""
     agent_socket = os.environ.get(AGENT_SOCKET_ENV, "")
     folder = Path(agent_socket).parent if agent_socket else Path(tempfile.mkdtemp("-slurmft"))
-    path = str(folder / "zygote.sock")
-    zygote = subprocess.Popen(
-        [sys.executable, "-u", "-m", "slurmft.agent.zygote", "--socket", path, "--", *target],
-        stdin=subprocess.DEVNULL,
-    )
+    return str(folder / "zygote.sock")
+
+
+def fork_zygote(target: list[str]) -> list[str] | None:
+    """Fork the node's zygote (slurmft.agent.zygote) once this process has imported torch:
+    it starts with torch imported, where a zygote of its own would import it a second time
+    (1.5 s of CPU on every node start). Returns the zygote's arguments in the child, None in
+    the launcher, whose workers find the socket in their environment.
+
+    Forked before the launcher patches torch's rendezvous, starts a thread of its own or
+    changes its streams: the child holds what `python -u -m slurmft.agent.zygote` would after
+    its `import torch`. The NVML-based CUDA check guards that import as the zygote guards its
+    own; the launcher's environment, which torchrun hands to the workers, keeps its value."""
+    path = zygote_socket()
+    check = os.environ.get(NVML_CUDA_CHECK_ENV)
+    os.environ[NVML_CUDA_CHECK_ENV] = "1"
+    import torch  # noqa: F401, TID251 (torchrun's process, never the agent's)
+
+    launcher = os.getpid()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    pid = os.fork()
+    if pid == 0:
+        procs.die_with_parent(signal.SIGKILL, expected_parent=launcher)
+        as_fresh_zygote()
+        return ["--socket", path, "--", *target]
+    if check is None:
+        del os.environ[NVML_CUDA_CHECK_ENV]
+    else:
+        os.environ[NVML_CUDA_CHECK_ENV] = check
     os.environ[ZYGOTE_SOCKET_ENV] = path
-    atexit.register(zygote.kill)
+    atexit.register(end_zygote, pid)
+    return None
+
+
+def as_fresh_zygote() -> None:
+    """What `python -u` with its standard input closed gives a process: the zygote's workers
+    write through torchrun's pipes at once, as torchrun's own `python -u` workers do."""
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name)
+        setattr(
+            sys,
+            name,
+            io.TextIOWrapper(
+                io.FileIO(stream.fileno(), "w", closefd=False),
+                encoding=stream.encoding,
+                errors=stream.errors,
+                write_through=True,
+            ),
+        )
+
+
+def end_zygote(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError):  # unreaped, so the pid is still the zygote's
+        os.kill(pid, signal.SIGKILL)
 
 
 def watch_peers(options: argparse.Namespace, channel: ReportChannel) -> Callable[[], None]:
@@ -168,7 +220,9 @@ def main(argv: list[str] | None = None) -> int:
     survive_rank_signals()
     options, torchrun_args = parse_args(sys.argv[1:] if argv is None else argv)
     if options.warm_workers:
-        start_zygote(warm_target(torchrun_args))
+        zygote_args = fork_zygote(warm_target(torchrun_args))
+        if zygote_args is not None:  # the zygote, and in the end each worker it forks
+            return zygote.main(zygote_args)
     refused = prepare_rendezvous(
         options.wait_list_fix, options.spare_candidate, options.rdzv_poll_s
     )

@@ -4,8 +4,9 @@ importing (measured in docs/agent.md, "Where the time goes").
 
     python -u -m slurmft.agent.zygote --socket PATH -- train.py ARGS   (or: -- -m pkg.train ARGS)
 
-The launcher starts it in torchrun's process (the user's `--python`, inside the container, after
-the setup lines), so it runs the interpreter and environment the workers would have run. torchrun
+The launcher forks it from torchrun's process (the user's `--python`, inside the container,
+after the setup lines) once that process has imported torch, so it runs the interpreter and
+environment the workers would have run, and imports torch once per node start, not twice. torchrun
 runs slurmft.agent.warm_start in place of the script; each client sends its arguments,
 environment, working directory and standard streams, and the zygote forks a worker that takes
 them on and runs the script as `__main__` (runpy), in its own session as torchrun would start it.
@@ -19,8 +20,10 @@ What a fork keeps from the zygote, and why it is safe:
   reseeded here; torch's is untouched since import (its default seed, as in a fresh process).
 - Source files: a fork runs the modules as imported. If any loaded module's file (or the script)
   changed since, the zygote refuses, and the client starts the worker cold with the new code.
-- The zygote is single-threaded in Python and forks from its main loop; torch's import starts no
-  thread that a child would miss (DataLoader workers fork torch processes the same way).
+- The zygote is single-threaded in Python and forks from its main loop. The one native thread
+  torch's import starts is numpy's OpenBLAS thread server, which OpenBLAS stops before a fork
+  (pthread_atfork) and starts again when next needed (DataLoader workers fork torch processes
+  the same way). The launcher forks the zygote itself the same way.
 
 A forked worker's /proc/PID/environ is the zygote's (the kernel shows the environment a process
 was exec'd with): each worker writes the environment it runs with to
@@ -70,6 +73,11 @@ BASE_IMPORTS = ("torch", "torch.distributed", "torch.distributed.checkpoint", "t
 REQUEST_TIMEOUT_S = 10.0
 REGISTRY = "warm-workers"  # beside the socket: each warm worker's environment, by pid
 MAX_REQUEST_BYTES = 16 << 20
+# torch.cuda.is_available() asks NVML, not the driver, whose initialisation a fork cannot keep.
+NVML_CUDA_CHECK_ENV = "PYTORCH_NVML_BASED_CUDA_CHECK"
+# The zygote's name in `ps -e`, top and /proc/PID/comm, where its command line is the
+# launcher's (it is forked from it); each worker takes back the interpreter's name.
+PROCESS_NAME = "slurmft-zygote"
 
 
 def say(message: str) -> None:
@@ -134,7 +142,7 @@ def preload(names: list[str]) -> Preloaded:
     is `a.b` when that is a submodule, and nothing when `a` defines b itself."""
     started = time.monotonic()
     imported, failed = [], {}
-    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+    os.environ.setdefault(NVML_CUDA_CHECK_ENV, "1")
     for entry in names:
         parent, _, attribute = entry.partition(":")
         if attribute:
@@ -372,10 +380,22 @@ def warm_environ(pid: int) -> bytes:
     return raw
 
 
-def become_worker(job: Job, zygote_pid: int, registry: Path) -> None:
-    """Take on the client's session, streams, environment and arguments, as a fresh
-    `python -u script` started by torchrun would have them."""
+def rename_process(name: str) -> str:
+    """Set this process's name (/proc/self/comm, up to 15 bytes); returns the one it had."""
+    comm = Path("/proc/self/comm")
+    try:
+        old = comm.read_text().rstrip("\n")
+        comm.write_text(name)
+    except OSError:  # not Linux: the name stays
+        return name
+    return old
+
+
+def become_worker(job: Job, zygote_pid: int, registry: Path, name: str) -> None:
+    """Take on the client's session, streams, environment and arguments, and the interpreter's
+    process name, as a fresh `python -u script` started by torchrun would have them."""
     os.setsid()
+    rename_process(name)
     die_with_parent(signal.SIGKILL, expected_parent=zygote_pid)
     for signum in (signal.SIGCHLD, signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM):
         signal.signal(signum, signal.SIG_DFL)
@@ -468,6 +488,7 @@ def main(argv: list[str] | None = None) -> int:
     die_with_parent(signal.SIGKILL)
     survive_rank_signals()
     options, target = parse_args(sys.argv[1:] if argv is None else argv)
+    interpreter_name = rename_process(PROCESS_NAME)
     # Clients queue on the socket while the imports run.
     listener = listen(options.socket)
     sys.path.insert(0, target.search_root(os.getcwd()))
@@ -485,7 +506,7 @@ def main(argv: list[str] | None = None) -> int:
     registry = Path(options.socket).parent / REGISTRY
     registry.mkdir(mode=0o700, exist_ok=True)
     job = Zygote(listener, source_stamps(sources), registry).serve()
-    become_worker(job, zygote_pid, registry)
+    become_worker(job, zygote_pid, registry, interpreter_name)
     if not any(name.partition(":")[0].split(".")[0] == "slurmft" for name in names):
         forget_own_modules()
     run_job(job)

@@ -1,10 +1,11 @@
 """Training processes found from outside, as the tests and benchmarks look for them on this one
 host: by command line and environment in /proc.
 
-A worker started warm was forked by its node's zygote (slurmft.agent.zygote): its command line
-is the zygote's, and /proc shows the zygote's environment (no RANK), so the one it runs with is
-read from the zygote's registry (`warm_environ`). The zygote itself and the warm-start clients
-torchrun runs name the script too, but train nothing.
+A worker started warm was forked by its node's zygote (slurmft.agent.zygote, named
+`slurmft-zygote`), which was forked by the launcher: its command line is the launcher's, and
+/proc shows the launcher's environment (no RANK), so the one it runs with is read from the
+zygote's registry (`warm_environ`). The launcher, the zygote and the warm-start clients torchrun
+runs name the script too, but train nothing.
 """
 
 from __future__ import annotations
@@ -18,10 +19,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from slurmft.agent.procs import descendants, signal_pids
-from slurmft.agent.zygote import warm_environ
+from slurmft.agent.zygote import PROCESS_NAME, warm_environ
 from slurmft.train.stacks import STACKS_DIR_ENV
-
-ZYGOTE = "slurmft.agent.zygote"
 
 
 def argv_of(pid: int) -> list[str]:
@@ -33,12 +32,16 @@ def parent_of(pid: int) -> int:
     return int(stat[stat.rindex(")") + 2 :].split()[1])
 
 
+def name_of(pid: int) -> str:
+    return Path(f"/proc/{pid}/comm").read_text().rstrip("\n")
+
+
 def is_worker(pid: int, argv: list[str], script: str) -> bool:
     """Whether the process trains `script` (a path or module): a cold worker runs it itself
-    (`python [-u] [-m] SCRIPT`); a warm one is its zygote's child, with the zygote's argv. The
+    (`python [-u] [-m] SCRIPT`); a warm one is a zygote's child, with the launcher's argv. The
     agent, the launcher, the zygote and the warm-start clients name the script further on."""
-    if ZYGOTE in argv[1:4]:
-        return script in argv and argv_of(parent_of(pid)) == argv
+    if name_of(parent_of(pid)) == PROCESS_NAME:
+        return script in argv
     return script in argv[1:4]
 
 

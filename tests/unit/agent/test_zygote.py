@@ -277,3 +277,48 @@ def test_a_malformed_request_is_dropped_and_the_zygote_serves_the_next(
     done = client(socket_path, out, str(script), "0", cwd=tmp_path)
     done.communicate(timeout=30)
     assert done.returncode == 0 and json.loads(out.read_text())["warm"] == str(process.pid)
+
+
+@pytest.mark.torch
+def test_the_launcher_forks_the_zygote_after_its_torch_import_and_the_workers_start_warm(
+    script: Path, tmp_path: Path
+) -> None:
+    """torchrun (the launcher, `--warm-workers`) runs one worker through a zygote it forked:
+    the worker runs warm with torchrun's rank and unbuffered streams, the zygote is named, the
+    launcher's environment keeps no trace of the zygote's CUDA guard, and no zygote outlives
+    the launcher."""
+    out = tmp_path / "out.json"
+    probe = tmp_path / "probe.py"  # what the worker sees of its own process and its parent's
+    probe.write_text(SCRIPT.replace(
+        '"cpus": sorted(os.sched_getaffinity(0)),',
+        '"cpus": [], "comm": Path("/proc/self/comm").read_text().strip(),'
+        ' "parent": os.getppid(), "cuda_check": os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK"),'
+        ' "stdout_buffered": hasattr(sys.stdout.buffer, "raw"),'
+        ' "zygote_comm": Path(f"/proc/{os.getppid()}/comm").read_text().strip(),'
+        ' "zygote_argv": Path(f"/proc/{os.getppid()}/cmdline").read_text().split(chr(0)),',
+    ))  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURMFT_", "PYTORCH_NVML"))}
+    env.update({"OUT": str(out), "SLURMFT_AGENT_SOCKET": str(tmp_path / "ranks.sock")})
+    launcher = subprocess.run(
+        [
+            *(sys.executable, "-m", "slurmft.agent.launcher", "--no-wait-list-fix"),
+            *("--warm-workers", "--", "--standalone", "--nproc-per-node=1"),
+            *("-m", "slurmft.agent.warm_start", str(probe), "5"),
+        ],
+        env=env, cwd=tmp_path, capture_output=True, timeout=120, check=False,
+    )  # fmt: skip
+    stderr = launcher.stderr.decode(errors="replace")
+    assert launcher.returncode == 1, stderr  # the worker's exit 5 fails torchrun
+    assert "hello out" in launcher.stdout.decode()
+    seen = json.loads(out.read_text())
+    zygote = int(seen["warm"])  # forked by the zygote, and the zygote by the launcher
+    assert seen["parent"] == zygote
+    assert seen["zygote_comm"] == "slurmft-zygote"
+    assert seen["zygote_argv"][1:3] == ["-m", "slurmft.agent.launcher"]  # forked, not exec'd
+    assert "slurmft zygote: ready in" in stderr
+    assert seen["rank"] == "0"
+    assert seen["argv"] == [str(probe), "5"]
+    assert seen["comm"] == Path(f"/proc/{os.getpid()}/comm").read_text().strip()  # python's
+    assert seen["cuda_check"] is None
+    assert not seen["stdout_buffered"]  # as under `python -u`
+    wait_for(lambda: not Path(f"/proc/{zygote}").exists(), 10, "the zygote to go")
