@@ -9,8 +9,9 @@ included, with the kernel's process accounting (`accton`, `dump-acct`: Debian's 
 package; root). The accounting record has a process's CPU time and its parent but only a
 16-character name, so a sampler reads each new process's command line from /proc every
 SAMPLE_S. A process forked without exec shows its parent's command line and is counted as
-its kind ", forked" (a warm worker is its zygote's fork); one that lived shorter than SAMPLE_S
-takes its parent's kind when it forked, else the kernel's name.
+its kind ", forked"; a zygote (forked by its launcher) is known by its name, `slurmft-zygote`,
+and its forks are warm workers. One that lived shorter than SAMPLE_S takes its parent's kind
+when it forked, else the kernel's name.
 
 Prints the CPU seconds and the share of each kind, then of each test (from the pytest folder
 in the command lines: `popen-gwN/<test>N`), then the machine's busy time against the wall
@@ -37,6 +38,8 @@ from pathlib import Path
 # The machine's busy time, counted as scripts/test's closing lines count it.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lib"))
 from suite_summary import busy_cpu_s
+
+from slurmft.agent.zygote import PROCESS_NAME as ZYGOTE_NAME
 
 SAMPLE_S = 0.5
 # A process's kind: the first pattern its command line matches.
@@ -142,8 +145,14 @@ def classify(records: list[Record], lines: CommandLines) -> list[tuple[Record, s
                     kind = f"unnamed: {record.name}"
                 memo[id(record)] = (kind, in_test)
             else:
-                # A fork keeps its parent's command line: a warm worker shows its zygote's.
+                # A fork keeps its parent's command line: the zygote and its warm workers show
+                # their launcher's.
                 kind = kind_of(command) + (", forked" if record.forked else "")
+                up = parent(record)
+                if record.name == ZYGOTE_NAME:
+                    kind = "zygote"
+                elif record.forked and up is not None and up.name == ZYGOTE_NAME:
+                    kind = "warm worker"
                 test = TEST_FOLDER.search(command)
                 memo[id(record)] = (kind, test.group(1) if test else above(record, depth)[1])
         return memo[id(record)]

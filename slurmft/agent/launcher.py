@@ -139,7 +139,7 @@ def zygote_socket() -> str:
 def fork_zygote(target: list[str]) -> list[str] | None:
     """Fork the node's zygote (slurmft.agent.zygote) once this process has imported torch:
     it starts with torch imported, where a zygote of its own would import it a second time
-    (1.5 s of CPU on every node start). Returns the zygote's arguments in the child, None in
+    (about 1.6 s of CPU on every node start). Returns the zygote's arguments in the child, None in
     the launcher, whose workers find the socket in their environment.
 
     Forked before the launcher patches torch's rendezvous, starts a thread of its own or
