@@ -64,6 +64,8 @@ from slurmft.train.snapshot import MemorySnapshots, Restored
 
 DATASET_SIZE = 600
 FEATURES = 16
+# How long a crashing rank waits for its node's writer to finish the step's snapshot.
+SNAPSHOT_WRITE_WAIT_S = 30.0
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -283,6 +285,7 @@ class TinyRun:
             root, args.keep_last, channel, on_shards_written=self._maybe_kill_during_save
         )
         self.snapshots: MemorySnapshots | None = None
+        self.last_snapshot_step: int | None = None  # the newest snapshot this rank took part in
         if args.snapshots:
             folder = args.snapshot_dir
             self.snapshots = MemorySnapshots(
@@ -378,13 +381,31 @@ class TinyRun:
             notes=notes,
         )
 
+    def wait_for_snapshot(self) -> None:
+        """Until the newest snapshot this rank took part in is on disk: the node's writer is its
+        local rank 0, which may still be writing it in the background when another rank
+        crashes. A fault injected after a step comes after that step's snapshot, as a crash in
+        the middle of a write is not what the fault tests ask for (that leaves a partial file,
+        and the snapshot before serves)."""
+        if self.snapshots is None or self.snapshots.folder is None:
+            return
+        self.snapshots.flush()
+        deadline = time.monotonic() + SNAPSHOT_WRITE_WAIT_S
+        while self.last_snapshot_step is not None and time.monotonic() < deadline:
+            if self.last_snapshot_step in self.snapshots.folder.steps():
+                return
+            time.sleep(0.02)
+
     def corrupt_snapshots(self) -> None:
         if self.snapshots is None or self.snapshots.folder is None:
             return
         for path in self.snapshots.folder.path.glob("step-*.pt"):
-            data = bytearray(path.read_bytes())
-            data[len(data) // 2] ^= 0xFF
-            path.write_bytes(bytes(data))
+            try:  # the writer prunes the oldest as it finishes a write
+                data = bytearray(path.read_bytes())
+                data[len(data) // 2] ^= 0xFF
+                path.write_bytes(bytes(data))
+            except FileNotFoundError:
+                continue
 
     def _resume_state(self) -> dict[str, Any]:
         return {
@@ -566,10 +587,7 @@ class TinyRun:
             if self.args.eval_every and self.step % self.args.eval_every == 0:
                 self.evaluate(heartbeat)
             if fault_due(self.args.crash_at_step, self.step, self.rank, self.args.fault_rank):
-                if self.snapshots is not None:
-                    # The injected crash comes after the last snapshot is stored (a crash in
-                    # the middle of its write leaves a partial file, and the one before serves).
-                    self.snapshots.flush()
+                self.wait_for_snapshot()
                 if self.args.corrupt_snapshots_at_crash:
                     self.corrupt_snapshots()
                 kill_self()
@@ -579,13 +597,13 @@ class TinyRun:
                 self.save("requested", heartbeat)
             elif self.step % self.args.ckpt_every == 0 or self.step == self.args.steps:
                 self.save("interval", heartbeat)
-            if self.snapshots is not None:
-                self.snapshots.after_step(
-                    self.step,
-                    self._state,
-                    self._resume_state,
-                    during=lambda: heartbeat.phase(Phase.CHECKPOINT, self.step),
-                )
+            if self.snapshots is not None and self.snapshots.after_step(
+                self.step,
+                self._state,
+                self._resume_state,
+                during=lambda: heartbeat.phase(Phase.CHECKPOINT, self.step),
+            ):
+                self.last_snapshot_step = self.step
         if self.rank == 0:
             weights = {name: t.cpu() for name, t in self.model.state_dict().items()}
             torch.save(weights, Path(self.args.out_dir) / "final_weights.pt")
