@@ -35,7 +35,6 @@ from slurmft.agent.command import AGENT_SOCKET_ENV, WARM_START_MODULE
 from slurmft.agent.exits import AgentExit
 from slurmft.agent.peer_watch import WatchSettings
 from slurmft.agent.warm_start import ZYGOTE_SOCKET_ENV, survive_rank_signals
-from slurmft.agent.zygote import NVML_CUDA_CHECK_ENV
 from slurmft.core import torch_support
 from slurmft.train.report import ReportChannel
 
@@ -147,8 +146,8 @@ def fork_zygote(target: list[str]) -> list[str] | None:
     its `import torch`. The NVML-based CUDA check guards that import as the zygote guards its
     own; the launcher's environment, which torchrun hands to the workers, keeps its value."""
     path = zygote_socket()
-    check = os.environ.get(NVML_CUDA_CHECK_ENV)
-    os.environ[NVML_CUDA_CHECK_ENV] = "1"
+    check = os.environ.get(zygote.NVML_CUDA_CHECK_ENV)
+    os.environ[zygote.NVML_CUDA_CHECK_ENV] = "1"
     import torch  # noqa: F401, TID251 (torchrun's process, never the agent's)
 
     launcher = os.getpid()
@@ -160,9 +159,9 @@ def fork_zygote(target: list[str]) -> list[str] | None:
         as_fresh_zygote()
         return ["--socket", path, "--", *target]
     if check is None:
-        del os.environ[NVML_CUDA_CHECK_ENV]
+        del os.environ[zygote.NVML_CUDA_CHECK_ENV]
     else:
-        os.environ[NVML_CUDA_CHECK_ENV] = check
+        os.environ[zygote.NVML_CUDA_CHECK_ENV] = check
     os.environ[ZYGOTE_SOCKET_ENV] = path
     atexit.register(end_zygote, pid)
     return None
