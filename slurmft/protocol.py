@@ -31,6 +31,7 @@ import msgspec
 
 from slurmft.core.kinds import EventKind, FaultClass, NodeRole
 from slurmft.errors import SlurmftError
+from slurmft.evidence import details_problem
 
 PROTOCOL_VERSION = 1
 BATCH_PATH = "/v1/agent/batch"
@@ -444,6 +445,7 @@ def _event_problem(event: AgentEvent, latest: float) -> str | None:
         or _text("message", event.message, MAX_MESSAGE)
         or (None if event.rank is None else _whole("rank", event.rank, 0, MAX_WORLD_SIZE))
         or _details_problem(event.details)
+        or details_problem(event.kind, event.details)
     )
 
 

@@ -123,6 +123,11 @@ class RunStatus(RunSummary):
     checkpoint: Checkpoint | None
     effective: EffectiveTime | None
     doing: str  # what slurmft is doing for the run now, in words
+    # Passes in a row in which the daemon's control pass failed for this run, and the newest
+    # failure; held (only a cancel carried out) from three on (slurmft.controller.pass_health).
+    control_failures: int
+    control_error: str | None
+    held: bool
     excluded_nodes: tuple[str, ...]
     recent_actions: tuple[ActionRecord, ...]
     human_needed: tuple[ActionRecord, ...]  # notices that ask a person to act

@@ -122,6 +122,12 @@ class Run:
         it has ended; `wait` waits for it)."""
         _ask(self._socket, "cancel", run_id=self.run_id)
 
+    def release(self) -> bool:
+        """An admin's: let the daemon's control pass try this held run again (its part failed
+        pass after pass; `status` says why). False when it was not held."""
+        reply = _ask(self._socket, "release_run", run_id=self.run_id)
+        return bool(reply["released"])
+
 
 def runs(
     *,

@@ -168,6 +168,15 @@ def status(ctx: typer.Context, run_id: RUN, as_json: JSON = False) -> None:
     )
     for line in _progress_lines(data):
         typer.echo(f"  {line}")
+    if data.held:
+        typer.echo(
+            f"  HELD: the daemon's control pass failed for this run {data.control_failures} "
+            f"passes in a row ({data.control_error}); only a cancel is carried out until an "
+            f"admin runs `slurmft release-run {data.run_id}`"
+        )
+    elif data.control_failures:
+        failing = f"{data.control_failures} in a row"
+        typer.echo(f"  control pass failing ({failing}): {data.control_error}")
     if data.end_reason:
         typer.echo(f"  ended: {data.end_reason}")
     if data.excluded_nodes:
@@ -237,6 +246,16 @@ def cancel(ctx: typer.Context, run_id: RUN) -> None:
     typer.echo(f"cancel requested for {run_id}; `slurmft status {run_id}` shows when it ended")
 
 
+def release_run(ctx: typer.Context, run_id: RUN) -> None:
+    """Let the control pass try a held run again (admins only). A run is held when its part
+    of the daemon's control pass failed three passes in a row; `slurmft status RUN` says why.
+    Mend the cause first, or it is held again three passes later."""
+    released = _run(ctx, run_id).release()
+    typer.echo(f"{run_id} released: the next control pass tries it again" if released
+               else f"{run_id} is not held; nothing to release")
+
+
 def register(app: typer.Typer) -> None:
     for command in (runs, status, events, cancel):
         app.command()(command)
+    app.command("release-run")(release_run)

@@ -66,6 +66,9 @@ class Outcome:
     action: v.Action
     status: ActionStatus
     error: str | None = None
+    # The action raised what nobody expected (a bug, bad data): its run's part of the pass
+    # failed (controller.pass_health), not an effect Slurm refused.
+    internal: bool = False
 
 
 # The run's job submitted again, as its owner, these nodes excluded, tagged with the id of the
@@ -148,7 +151,7 @@ class Executor:
             row = session.get(Action, row_id)
             if row is not None and row.status is ActionStatus.PLANNED:
                 finish_action(row, ActionStatus.FAILED, error=error)
-        return Outcome(action, ActionStatus.FAILED, error)
+        return Outcome(action, ActionStatus.FAILED, error, internal=True)
 
     def _record_failure(self, action: v.Action, exc: Exception) -> Outcome:
         """The action's row, failed with the error (an event row for a recording that failed),
@@ -165,7 +168,7 @@ class Executor:
                 raise
             except Exception:
                 log.exception("could not record the failure of %s", type(action).__name__)
-        return Outcome(action, ActionStatus.FAILED, error)
+        return Outcome(action, ActionStatus.FAILED, error, internal=True)
 
     def _record_failed_row(
         self, session: Session, action: v.Action, error: str, evidence: dict[str, Any]

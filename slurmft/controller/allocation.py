@@ -28,18 +28,25 @@ so evidence that comes with its allocation is acted on in the same pass.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 
+import msgspec
 from sqlalchemy import select
+from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
+from slurmft.controller.pass_health import PassFailures, is_held
 from slurmft.db.models import AllocationNode, Attempt, Event, EventKind, NodeRole, Run
 from slurmft.db.records import record_event
 from slurmft.db.states import AttemptState
+from slurmft.protocol import AllocationMember, JobId
 from slurmft.slurm.api import JobInfo, SlurmClient, SlurmError, SlurmTimeout, SlurmUnreachable
 from slurmft.slurm.script import not_the_runs_job
+
+log = logging.getLogger(__name__)
 
 REFUSED = "allocation report refused"
 # How far the daemon's clock may be behind slurmctld's when it compares an event's arrival with
@@ -88,8 +95,17 @@ def check_report(
     return Verdict(members=members, ignored=tuple(sorted(set(claimed) - had)))
 
 
-def judge_allocation_reports(session: Session, slurm: SlurmClient, *, now: datetime) -> None:
-    """Judge every batch step report not judged yet (one scontrol call each)."""
+def judge_allocation_reports(
+    session: Session,
+    slurm: SlurmClient,
+    *,
+    now: datetime,
+    failures: PassFailures | None = None,
+) -> None:
+    """Judge every batch step report not judged yet (one scontrol call each). Each is judged in
+    isolation: one that fails (a bug, a stored value nobody expected) is recorded on its run
+    (and in ``failures``) and stays unjudged; the others go on. A held run's reports wait."""
+    failures = PassFailures() if failures is None else failures
     reports = session.scalars(
         select(Event)
         .where(
@@ -101,44 +117,62 @@ def judge_allocation_reports(session: Session, slurm: SlurmClient, *, now: datet
     ).all()
     for report in reports:
         run = session.get(Run, report.run_id) if report.run_id else None
-        if run is None or run.state.is_terminal:
-            _refuse(session, report, "the run has ended")
-            continue
-        job_id, claimed = _claim(report.details)
-        if job_id is None:
-            _refuse(session, report, "the report names no job")
+        if run is not None and is_held(run):
             continue
         try:
-            job = slurm.job(job_id)
+            _judge_report(session, slurm, report, run, now)
         except (SlurmUnreachable, SlurmTimeout):
             return  # judged on a later pass
-        except SlurmError as error:  # not a job id, or no such job
-            _refuse(session, report, f"Slurm: {error}")
-            continue
-        try:
-            step_nodes = _step_nodes(slurm, job, claimed)
-        except (SlurmUnreachable, SlurmTimeout):
-            return
-        attempt = _latest_attempt(session, run.id)
-        verdict = check_report(job, claimed, run, attempt, step_nodes)
-        if verdict.wait:
-            continue
-        if verdict.refused is not None:
-            _refuse(session, report, verdict.refused)
-            continue
-        attempt = _adopt(session, run, attempt, job, now)
-        started = slurm_start_time(job)
-        if started is not None and (attempt.started_at is None or started < attempt.started_at):
-            attempt.started_at = started  # Slurm's, not the first pass that saw it running
-        _store(attempt, verdict.members, now, f"not in the batch step's report {report.id}")
-        report.attempt_id = attempt.id
-        report.foreign = False
-        report.details = {
-            **report.details,
-            "allocation": sorted(verdict.members),
-            "ignored": list(verdict.ignored),
-        }
+        except SQLAlchemyError:
+            raise  # the store's failure, not this run's: the pass is skipped for everyone
+        except Exception as exc:
+            if run is None:
+                raise  # a report without a run is refused before anything can fail
+            log.exception("run %s: judging report %d failed", run.id, report.id)
+            failures.record(session, run.id, f"judging allocation report {report.id}", exc)
     session.flush()
+
+
+def _judge_report(
+    session: Session, slurm: SlurmClient, report: Event, run: Run | None, now: datetime
+) -> None:
+    """One report: refused, stored as the attempt's allocation, or left for a later pass.
+    Everything that may fail is worked out before its first write."""
+    if run is None or run.state.is_terminal:
+        _refuse(session, report, "the run has ended")
+        return
+    claim = stored_claim(report.details)
+    if isinstance(claim, str):
+        _refuse(session, report, claim)
+        return
+    job_id, claimed = claim
+    try:
+        job = slurm.job(job_id)
+    except (SlurmUnreachable, SlurmTimeout):
+        raise
+    except SlurmError as error:  # not a job id, or no such job
+        _refuse(session, report, f"Slurm: {error}")
+        return
+    step_nodes = _step_nodes(slurm, job, claimed)
+    attempt = _latest_attempt(session, run.id)
+    verdict = check_report(job, claimed, run, attempt, step_nodes)
+    if verdict.wait:
+        return
+    if verdict.refused is not None:
+        _refuse(session, report, verdict.refused)
+        return
+    started = slurm_start_time(job)
+    attempt = _adopt(session, run, attempt, job, now)
+    if started is not None and (attempt.started_at is None or started < attempt.started_at):
+        attempt.started_at = started  # Slurm's, not the first pass that saw it running
+    _store(attempt, verdict.members, now, f"not in the batch step's report {report.id}")
+    report.attempt_id = attempt.id
+    report.foreign = False
+    report.details = {
+        **report.details,
+        "allocation": sorted(verdict.members),
+        "ignored": list(verdict.ignored),
+    }
 
 
 def _step_nodes(
@@ -156,40 +190,54 @@ def _step_nodes(
         return frozenset()
 
 
-def judge_evidence(session: Session, run_ids: list[str]) -> None:
+def judge_evidence(
+    session: Session, run_ids: list[str], failures: PassFailures | None = None
+) -> None:
     """Mark each agent event of these runs not judged yet as the run's own or foreign, where its
-    attempt's allocation is known; the rest stays held."""
+    attempt's allocation is known; the rest stays held. A run whose judging fails is recorded
+    (and in ``failures``); the others go on."""
+    failures = PassFailures() if failures is None else failures
     for run_id in run_ids:
-        events = session.scalars(
-            select(Event).where(
-                Event.run_id == run_id,
-                Event.source == "agent",
-                Event.foreign.is_(None),
-                Event.kind != EventKind.ALLOCATION,
-            )
-        ).all()
-        if not events:
-            continue
-        latest = _latest_attempt(session, run_id)
-        cache: dict[int, dict[str, AllocationNode]] = {}
-        for event in events:
-            attempt_id = event.attempt_id or (latest.id if latest else None)
-            if attempt_id is None:
-                continue
-            if attempt_id not in cache:
-                cache[attempt_id] = {
-                    row.node: row
-                    for row in session.scalars(
-                        select(AllocationNode).where(AllocationNode.attempt_id == attempt_id)
-                    )
-                }
-            allocation = cache[attempt_id]
-            if not allocation:
-                continue  # not known yet: held
-            attempt = session.get(Attempt, attempt_id)
-            started = attempt.started_at if attempt is not None else None
-            event.foreign = not _own(allocation, event, started)
+        try:
+            _judge_run_evidence(session, run_id)
+        except SQLAlchemyError:
+            raise  # the store's failure, not this run's: the pass is skipped for everyone
+        except Exception as exc:
+            log.exception("run %s: judging its evidence failed", run_id)
+            failures.record(session, run_id, "judging its evidence", exc)
     session.flush()
+
+
+def _judge_run_evidence(session: Session, run_id: str) -> None:
+    events = session.scalars(
+        select(Event).where(
+            Event.run_id == run_id,
+            Event.source == "agent",
+            Event.foreign.is_(None),
+            Event.kind != EventKind.ALLOCATION,
+        )
+    ).all()
+    if not events:
+        return
+    latest = _latest_attempt(session, run_id)
+    cache: dict[int, dict[str, AllocationNode]] = {}
+    for event in events:
+        attempt_id = event.attempt_id or (latest.id if latest else None)
+        if attempt_id is None:
+            continue
+        if attempt_id not in cache:
+            cache[attempt_id] = {
+                row.node: row
+                for row in session.scalars(
+                    select(AllocationNode).where(AllocationNode.attempt_id == attempt_id)
+                )
+            }
+        allocation = cache[attempt_id]
+        if not allocation:
+            continue  # not known yet: held
+        attempt = session.get(Attempt, attempt_id)
+        started = attempt.started_at if attempt is not None else None
+        event.foreign = not _own(allocation, event, started)
 
 
 def slurm_start_time(job: JobInfo) -> datetime | None:
@@ -216,18 +264,23 @@ def _own(
     return row.left_at is None or event.recorded_at <= row.left_at
 
 
-def _claim(details: object) -> tuple[str | None, dict[str, NodeRole]]:
-    """The job id and {node: role} an ingested report holds (ingest wrote them: protocol-checked
-    already; a role Slurmft does not know reads as active)."""
-    if not isinstance(details, dict) or not isinstance(details.get("job_id"), str):
-        return None, {}
-    claimed: dict[str, NodeRole] = {}
-    for member in details.get("nodes") or []:
-        if isinstance(member, dict) and isinstance(member.get("node"), str):
-            role = member.get("role")
-            spare = role == NodeRole.SPARE.value
-            claimed[member["node"]] = NodeRole.SPARE if spare else NodeRole.ACTIVE
-    return details["job_id"], claimed
+class _StoredReport(msgspec.Struct, frozen=True):
+    """A report as ingest stored it (controller.ingest): protocol's report, beside the keys
+    ingest and the judging add."""
+
+    job_id: JobId
+    nodes: tuple[AllocationMember, ...]
+
+
+def stored_claim(details: object) -> tuple[str, dict[str, NodeRole]] | str:
+    """The job id and {node: role} a stored report holds, or why it holds none. A row of
+    another shape (an agent's `allocation` event stored before agents were refused that kind,
+    a hand-edited row) is refused with the reason, never raised on."""
+    try:
+        report = msgspec.convert(details, _StoredReport, strict=True)
+    except msgspec.ValidationError as error:
+        return f"the report is malformed: {error}"
+    return report.job_id, {member.node: member.role for member in report.nodes}
 
 
 def _refuse(session: Session, report: Event, reason: str) -> None:

@@ -46,7 +46,7 @@ from slurmft.controller.agents_url import (
 )
 from slurmft.controller.bounded import ServerLimits
 from slurmft.controller.busy_jobs import BUSY_JOB_EVENTS, BusyJobs, quiet_busy_skips
-from slurmft.controller.decide import Policy, decide
+from slurmft.controller.decide import Decision, Policy, decide_runs
 from slurmft.controller.goodput_pass import measure_failures
 from slurmft.controller.health import OPS_LIMITS, LoopLiveness, OpsServer, check_health
 from slurmft.controller.http import IngestServer, server_tls
@@ -54,6 +54,8 @@ from slurmft.controller.limits import RateLimits
 from slurmft.controller.metrics import SCHEDULER_EVENTS, DaemonMetrics, TimedRunner
 from slurmft.controller.notify import Notifier
 from slurmft.controller.observe import observe
+from slurmft.controller.pass_health import PassFailures
+from slurmft.controller.pass_health import settle as settle_pass
 from slurmft.controller.refusals import Refusals
 from slurmft.controller.resubmit import OwnerSubmitter
 from slurmft.controller.rpc import MAX_REQUEST_BYTES, SOCKET_NAME, RpcServer
@@ -180,7 +182,9 @@ class Daemon:
     # --- the periodic jobs ------------------------------------------------------------------
 
     def control_pass(self) -> int:
-        """One observe → decide → act pass; returns the number of actions taken."""
+        """One observe → decide → act pass; returns the number of actions taken. A run whose
+        part fails pass after pass is held (controller.pass_health)."""
+        failures = PassFailures()
         try:
             with self.database.session() as session:
                 view = observe(
@@ -191,6 +195,7 @@ class Daemon:
                     buckets=self.policy.straggler_window_buckets,
                     steps=self.step_windows,
                     lost=self.lost_sightings,
+                    failures=failures,
                 )
             view = replace(view, listening_since=self.listening_since)
             # Before this pass plans new ones: a worker restart nobody fetched in time is void.
@@ -207,17 +212,39 @@ class Daemon:
             self.skipped_because = "slurm"
             return 0
         self.skipped_because = None
-        actions = decide(view, self.policy)
+        decision = decide_runs(view, self.policy)
+        actions = decision.actions
         since_last_pass = (
             (self.clock() - self.last_pass_at).total_seconds() if self.last_pass_at else None
         )
         # Each detection observed as its row commits.
-        self.executor.execute(actions, lambda o: self._observe_detection(o, since_last_pass))
+        outcomes = self.executor.execute(
+            actions, lambda o: self._observe_detection(o, since_last_pass)
+        )
+        self._settle_failures(view, decision, outcomes, failures)
         self.passes += 1
         if self.passes == 1:
             freeze_long_lived()
         self.last_pass_at = self.clock()
         return len(actions)
+
+    def _settle_failures(
+        self,
+        view: v.ClusterView,
+        decision: Decision,
+        outcomes: list[Outcome],
+        failures: PassFailures,
+    ) -> None:
+        """Count each tried run's part as failed or not this pass; hold the ones that failed
+        pass after pass (controller.pass_health)."""
+        for run_id, error in decision.failed.items():
+            failures.add(run_id, "deciding", error)
+        for outcome in outcomes:
+            if outcome.internal and outcome.action.run_id is not None:
+                failures.add(outcome.action.run_id, "acting", outcome.error or "")
+        tried = [run.run_id for run in view.runs if not run.held]
+        with self.database.session() as session:
+            settle_pass(session, failures, tried)
 
     def _observe_detection(self, outcome: Outcome, since_last_pass: float | None) -> None:
         """Detection latency of a failure this pass found (see DaemonMetrics)."""

@@ -17,7 +17,7 @@ node outside the allocation is never excluded, drained or evicted on a run's wor
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from functools import partial
@@ -143,14 +143,32 @@ class _DrainGate:
         return [DrainNode(run_id, reason, evidence or {}, node=node)]
 
 
+@dataclass(frozen=True)
+class Decision:
+    """What decide returns to the daemon: the actions, and the runs whose deciding failed
+    (run id -> the error), which count towards holding them (controller.pass_health)."""
+
+    actions: list[Action]
+    failed: Mapping[str, str]
+
+
 def decide(view: ClusterView, policy: Policy) -> list[Action]:
     """Every action the controller should take now, in order."""
+    return decide_runs(view, policy).actions
+
+
+def decide_runs(view: ClusterView, policy: Policy) -> Decision:
+    """`decide`, with the runs whose deciding failed."""
     if not view.slurm_reachable:
-        return []  # never act on stale information
+        return Decision([], {})  # never act on stale information
     gate = _DrainGate(policy.trust, view)
     lemons = lemon_nodes(view, policy.trust)
     actions: list[Action] = []
+    failed: dict[str, str] = {}
     for run in view.runs:
+        if run.held:
+            actions += _decide_held(run)
+            continue
         try:
             # A restart this pass's own node removal caused is free now, not a pass later.
             removing = view.now if _nodes_leaving(run, view, policy, lemons) else None
@@ -161,8 +179,25 @@ def decide(view: ClusterView, policy: Policy) -> list[Action]:
             decided = counted + _decide_run(counted_run, view, policy, gate, lemons)
         except Exception as exc:  # one run's bad data must not stop the others
             decided = _undecided(run, exc)
+            failed[run.run_id] = f"{type(exc).__name__}: {exc}"
         actions += decided
-    return actions
+    return Decision(actions, failed)
+
+
+def _decide_held(run: RunView) -> list[Action]:
+    """A held run: only its owner's cancel is carried out (its job cancelled, the run ended)."""
+    if not run.cancel_requested:
+        return []
+    job = run.job
+    running = job is not None and job.phase is not JobPhase.ENDED
+    return [
+        FinishRun(
+            run.run_id,
+            "cancelled by its owner (the run was held)",
+            state=RunState.CANCELLED,
+            job_id=job.job_id if running and job is not None else None,
+        )
+    ]
 
 
 def _undecided(run: RunView, exc: Exception) -> list[Action]:

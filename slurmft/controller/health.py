@@ -28,6 +28,7 @@ from slurmft.controller.bounded import (
     ServerLimits,
     tcp_listener,
 )
+from slurmft.controller.pass_health import held_runs
 from slurmft.db import Database
 
 log = logging.getLogger(__name__)
@@ -80,6 +81,16 @@ def store_reachable(database: Database) -> tuple[bool, str]:
     return True, "ok"
 
 
+def held_run_ids(database: Database, shown: int = 20) -> list[str] | str:
+    """The live runs held (controller.pass_health), the first ``shown``; or why they could not
+    be read. A held run is one run's trouble: it does not make the daemon unhealthy."""
+    try:
+        with database.session() as session:
+            return [run.id for run in held_runs(session)[:shown]]
+    except Exception as exc:  # the store's own check says what is wrong with it
+        return f"not read: {type(exc).__name__}"
+
+
 def check_health(liveness: LoopLiveness, database: Database) -> Health:
     store_ok, store_detail = store_reachable(database)
     since = liveness.seconds_since_pass()
@@ -94,6 +105,7 @@ def check_health(liveness: LoopLiveness, database: Database) -> Health:
             "slurm": {None: "not polled yet", True: "ok", False: "unreachable"}[
                 liveness.slurm_reachable
             ],
+            "held_runs": held_run_ids(database) if store_ok else "not read: store unreachable",
         },
     )
 

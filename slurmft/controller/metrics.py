@@ -38,6 +38,7 @@ from sqlalchemy import func, select, text
 from sqlalchemy.orm import Session
 
 from slurmft.controller.goodput_pass import GIVE_UP_AFTER
+from slurmft.controller.pass_health import HOLD_AFTER, count_held
 from slurmft.core.kinds import OUTAGE_KINDS
 from slurmft.db import Database, DatabaseError
 from slurmft.db.models import Action, ActionKind, ActionStatus, Event, EventKind, Run, utcnow
@@ -316,6 +317,7 @@ class StoreCollector(Collector):
                 ).all()
             )
             goodput = _goodput_families(s)
+            held = count_held(s)
         by_state = GaugeMetricFamily("slurmft_runs", "Runs by state.", labels=["state"])
         for state in RunState:
             by_state.add_metric([state.value], runs.get(state, 0))
@@ -341,7 +343,14 @@ class StoreCollector(Collector):
         )
         for failure in FAILURE_KINDS:
             failed.add_metric([failure.value], failures.get(failure, 0))
-        return [by_state, recovered, drained, stragglers, failed, *goodput]
+        held_runs = GaugeMetricFamily(
+            "slurmft_runs_held",
+            "Live runs held: their part of the control pass failed "
+            f"{HOLD_AFTER} passes in a row, and only a cancel is carried out for them until an "
+            "admin releases them (`slurmft release-run RUN`).",
+        )
+        held_runs.add_metric([], held)
+        return [by_state, recovered, drained, stragglers, failed, held_runs, *goodput]
 
 
 LOST_PARTS = {

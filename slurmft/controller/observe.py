@@ -20,6 +20,7 @@ from sqlalchemy.orm import Session
 from slurmft.controller.allocation import judge_allocation_reports, judge_evidence
 from slurmft.controller.detect import RankBeat, RankCompute
 from slurmft.controller.intents import UNFINISHED, settle_interrupted
+from slurmft.controller.pass_health import PassFailures, is_held
 from slurmft.controller.reconcile import reconcile
 from slurmft.controller.restarts import restart_evidence
 from slurmft.controller.spec import RunSpec, SpecError
@@ -228,11 +229,15 @@ def observe(
     buckets: int = 5,
     steps: StepWindows | None = None,
     lost: LostSightings | None = None,
+    failures: PassFailures | None = None,
 ) -> ClusterView:
     """The observe stage of a control pass: ask Slurm (`read_slurm`), record what it says about
     the tracked jobs (`reconcile`, the one writer), then read everything ``decide`` needs
     (`gather`). Slurm unreachable: nothing recorded, a view that decides nothing. ``lost``
-    (the daemon's, kept between passes) says since when each lost node has been lost."""
+    (the daemon's, kept between passes) says since when each lost node has been lost.
+    ``failures`` collects the runs whose part failed (controller.pass_health); a held run's
+    part is not tried: its view carries only what its owner's cancel needs."""
+    failures = PassFailures() if failures is None else failures
     try:
         settle_interrupted(session, slurm)  # before the attempts are read: it may open one
     except (SlurmUnreachable, SlurmTimeout):
@@ -243,16 +248,18 @@ def observe(
     for run_id, error in snapshot.errors.items():
         log.warning("run %s: %s", run_id, error, extra={"run_id": run_id})
         record_control_error(session, run_id, "reading its job from Slurm", error)
-    tracked = {run.id: (run, snapshot.attempts[run.id]) for run in snapshot.runs}
-    reconcile(session, tracked, snapshot.jobs, now=now)
+        failures.add(run_id, "reading its job from Slurm", error)
+    tried = [run for run in snapshot.runs if not is_held(run)]
+    tracked = {run.id: (run, snapshot.attempts[run.id]) for run in tried}
+    reconcile(session, tracked, snapshot.jobs, now=now, failures=failures)
     # The batch steps' reports checked against Slurm, then the evidence against them: only the
     # run's own (foreign false) is gathered below.
-    judge_allocation_reports(session, slurm, now=now)
-    judge_evidence(session, [run.id for run in snapshot.runs])
+    judge_allocation_reports(session, slurm, now=now, failures=failures)
+    judge_evidence(session, [run.id for run in tried], failures=failures)
     lost_since = lost.update(snapshot.nodes, now) if lost is not None else {}
     return gather(
         session, snapshot, now=now, bucket=bucket, buckets=buckets, steps=steps,
-        lost_since=lost_since,
+        lost_since=lost_since, failures=failures,
     )  # fmt: skip
 
 
@@ -296,6 +303,7 @@ def gather(
     buckets: int = 5,
     steps: StepWindows | None = None,
     lost_since: Mapping[str, datetime] | None = None,
+    failures: PassFailures | None = None,
 ) -> ClusterView:
     """Everything ``decide`` needs, from the store and Slurm's snapshot. Reads only.
 
@@ -307,6 +315,9 @@ def gather(
     attempts = {run.id: _latest_attempt(session, run.id) for run in runs}  # requeues add one
     views = []
     for run in runs:
+        if is_held(run):
+            views.append(_held_view(run, attempts[run.id], snapshot))
+            continue
         try:
             views.append(
                 _run_view(
@@ -327,9 +338,8 @@ def gather(
         except Exception as exc:
             # This run's data could not be read into a view (the only write gather makes):
             # nothing is decided for it this pass, and the other runs go on.
-            error = f"{type(exc).__name__}: {exc}"
             log.exception("run %s: observing it failed", run.id, extra={"run_id": run.id})
-            record_control_error(session, run.id, "observing it", error)
+            (failures or PassFailures()).record(session, run.id, "observing it", exc)
     nodes = snapshot.nodes
     return ClusterView(
         now=now,
@@ -428,6 +438,19 @@ def _run_view(
         restarts=None if run.state.is_terminal else restart_evidence(session, run),
         cancel_requested=run.cancel_requested_at is not None,
         reported=_reported_keys(session, run.id, since, now=now),
+    )
+
+
+def _held_view(run: Run, attempt: Attempt | None, snapshot: SlurmSnapshot) -> RunView:
+    """A held run (controller.pass_health): none of its stored evidence is read, only what
+    its owner's cancel needs (decide acts on nothing else for it)."""
+    info = snapshot.jobs.get(attempt.slurm_job_id) if attempt and attempt.slurm_job_id else None
+    return RunView(
+        run_id=run.id,
+        nodes_needed=run.nodes,
+        job=job_view(info, snapshot.nodes) if info else None,
+        cancel_requested=run.cancel_requested_at is not None,
+        held=True,
     )
 
 
@@ -589,7 +612,10 @@ def _reported_keys(
     again at once, as if the daemon had not stopped."""
     details = session.scalars(
         select(Event.details).where(
-            Event.run_id == run_id, Event.kind.in_(FINDING_KINDS), Event.recorded_at >= since
+            Event.run_id == run_id,
+            Event.kind.in_(FINDING_KINDS),
+            Event.source != "agent",  # the daemon's own findings: an agent's word is no key
+            Event.recorded_at >= since,
         )
     ).all()
     evidence = session.scalars(

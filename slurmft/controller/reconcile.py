@@ -19,8 +19,8 @@ from datetime import datetime
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
+from slurmft.controller.pass_health import PassFailures
 from slurmft.db.models import Attempt, Run
-from slurmft.db.records import record_control_error
 from slurmft.db.states import ATTEMPT_TRANSITIONS, AttemptState, RunState
 from slurmft.slurm.api import JobInfo
 from slurmft.slurm.states import JobPhase, JobState
@@ -84,9 +84,11 @@ def reconcile(
     jobs: Mapping[str, JobInfo],
     *,
     now: datetime,
+    failures: PassFailures | None = None,
 ) -> None:
     """Apply Slurm's view of every tracked job to its run and attempts. A run whose record
-    cannot be applied (bad data, a bug) gets the error recorded on it; the others go on."""
+    cannot be applied (bad data, a bug) gets the error recorded on it (and in ``failures``);
+    the others go on."""
     for run, attempt in runs.values():
         if attempt is None or attempt.slurm_job_id is None or attempt.slurm_job_id not in jobs:
             continue
@@ -96,8 +98,7 @@ def reconcile(
             raise  # the store's failure, not this run's: the pass is skipped for everyone
         except Exception as exc:
             log.exception("run %s: reconciling with Slurm failed", run.id, extra={"run_id": run.id})
-            error = f"{type(exc).__name__}: {exc}"
-            record_control_error(session, run.id, "reconciling with Slurm", error)
+            (failures or PassFailures()).record(session, run.id, "reconciling with Slurm", exc)
     session.flush()
 
 

@@ -15,6 +15,7 @@ from typing import Any
 from sqlalchemy import func, select, text
 from sqlalchemy.orm import Session
 
+from slurmft.controller.pass_health import is_held
 from slurmft.db.models import (
     Action,
     ActionStatus,
@@ -203,4 +204,7 @@ def status(session: Session, run: Run, now: datetime, restart_cap: int) -> dict[
         "checkpoint": _checkpoint(session, run.id, now),
         "effective": read.effective,
         "doing": _doing(session, run, read.attempt, read.progress),
+        "control_failures": run.control_failures,
+        "control_error": run.control_error,
+        "held": is_held(run),
     }

@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,7 @@ from sqlalchemy import Select, func, select
 from sqlalchemy.orm import Session
 
 from slurmft.config import DaemonSection, PolicySection, TrustSection
-from slurmft.controller import run_status
+from slurmft.controller import pass_health, run_status
 from slurmft.controller.admins import ROOT_ONLY, Admins
 from slurmft.controller.history_ops import history_operations
 from slurmft.controller.ingest import new_run_token, record_refusal
@@ -107,6 +108,20 @@ def _attach_job(
         if submission is not None:  # what a resubmission sends again (controller.resubmit)
             run.submission = submission
         return {"run_id": run.id, "attempt": number, "job_id": job_id}
+
+
+def release_held_run(
+    database: Database, admins: Admins, uid: int, args: Mapping[str, Any]
+) -> dict[str, Any]:
+    """An admin releases a run held by the control pass (controller.pass_health): the next
+    pass tries its part again. Recorded as an action naming the admin."""
+    if uid not in admins:
+        raise RpcError("only an admin (root, or daemon.admin_group) may release a held run")
+    with database.session() as session:
+        run = visible_run(session, uid, args.get("run_id"), admins)
+        failures, error = run.control_failures, run.control_error
+        released = pass_health.release(session, run, _user_name(uid))
+        return {"run_id": run.id, "released": released, "failures": failures, "error": error}
 
 
 @dataclass(frozen=True)
@@ -357,6 +372,7 @@ def operations(
         "create_run": create_run,
         "attach_job": attach_job,
         "fail_run": fail_run,
+        "release_run": partial(release_held_run, database, admins),
         **nodes.operations(),
         **history_operations(database, admins),
     }

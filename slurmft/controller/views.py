@@ -127,6 +127,9 @@ class RunView:
     cancel_requested: bool = False
     # Findings already recorded (by key), so a condition that lasts is acted on once.
     reported: frozenset[str] = frozenset()
+    # Its part of the control pass failed pass after pass (controller.pass_health): nothing
+    # but its owner's cancel is decided for it.
+    held: bool = False
 
 
 @dataclass(frozen=True)

@@ -112,6 +112,10 @@ class ActionKind(enum.StrEnum):
     # A request refused by an endpoint (a bad or slow request, a server at its cap), recorded
     # where its run or user is known: the audit of who was turned away and why.
     REFUSE_REQUEST = "refuse_request"
+    # A run whose part of the control pass failed pass after pass is no longer tried, until an
+    # admin releases it (slurmft.controller.pass_health).
+    HOLD_RUN = "hold_run"
+    RELEASE_RUN = "release_run"
 
 
 class ActionStatus(enum.StrEnum):

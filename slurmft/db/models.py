@@ -167,6 +167,10 @@ class Run(Base):
     restarts_without_progress: Mapped[int] = mapped_column(default=0)
     # Set when the owner asks to cancel; the controller cancels the job and ends the run.
     cancel_requested_at: Mapped[datetime | None]
+    # Passes in a row in which this run's part of the control pass failed, and the newest
+    # failure; held at controller.pass_health.HOLD_AFTER until an admin releases it.
+    control_failures: Mapped[int] = mapped_column(default=0, server_default="0")
+    control_error: Mapped[str | None] = mapped_column(Text)
 
     attempts: Mapped[list[Attempt]] = relationship(
         back_populates="run", order_by="Attempt.number", cascade="all, delete-orphan"
