@@ -75,8 +75,19 @@ values = st.recursive(
     max_leaves=12,
 )
 kinds = st.one_of(st.sampled_from([k.value for k in EventKind]), st.sampled_from(["", "xid", 5]))
+# Details of the right shape for some kind, often: so that much of it is accepted, judged
+# and read by gather and decide, not only refused at the boundary.
+plausible = st.dictionaries(
+    st.sampled_from(
+        ["step", "ordinal", "xid", "gpu_index", "fault_kind", "code", "detail", "action",
+         "rdzv_round", "layout", "label", "peer", "silent_s", "other"]
+    ),
+    st.one_of(st.integers(0, 100), st.sampled_from(["stop", "xid", "slurmft", "n2", "1.0/2"])),
+    max_size=4,
+)  # fmt: skip
+hostile = st.one_of(st.dictionaries(keys, values, max_size=6), values)
 events = st.fixed_dictionaries(
-    {"kind": kinds, "details": st.one_of(st.dictionaries(keys, values, max_size=6), values)},
+    {"kind": kinds, "details": st.one_of(plausible, hostile)},
     optional={
         "message": st.one_of(st.text(max_size=30), scalars),
         "rank": st.one_of(st.integers(-2, 2**21), scalars),
