@@ -158,11 +158,15 @@ def test_scontrol_show_node(recorded: Recorded) -> None:
 
 
 def test_scontrol_line_first_key_wins() -> None:
-    record = parse_scontrol_line("JobId=1 JobName=x JobState=RUNNING Comment=a JobState=FAILED")
-    assert record["JobState"] == "RUNNING"
-    assert parse_scontrol_line("JobId=2 Command=/tmp/my dir/job.sh WorkDir=/tmp")["Command"] == (
-        "/tmp/my dir/job.sh"
-    )
+    """A step's or node's record: a key repeated inside later free text does not override it."""
+    record = parse_scontrol_line("StepId=1.0 State=RUNNING Name=a State=FAILED")
+    assert record["State"] == "RUNNING"
+    assert parse_scontrol_line("StepId=1.0 Name=my job NodeList=n1")["Name"] == "my job"
+
+
+def test_a_job_line_is_read_by_slurms_key_order_only() -> None:
+    with pytest.raises(SlurmError, match="no reading"):
+        parse_scontrol_line("JobId=1 JobName=x JobState=RUNNING Comment=a JobState=FAILED")
 
 
 def test_unexpected_squeue_line_is_an_error() -> None:
