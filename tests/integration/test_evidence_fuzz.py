@@ -74,7 +74,12 @@ values = st.recursive(
     ),
     max_leaves=12,
 )
-kinds = st.one_of(st.sampled_from([k.value for k in EventKind]), st.sampled_from(["", "xid", 5]))
+AGENT_KINDS = ["gpu_fault", "checkpoint", "hang", "restart", "collective_error", "peer_dead"]
+kinds = st.one_of(
+    st.sampled_from(AGENT_KINDS),
+    st.sampled_from([k.value for k in EventKind]),
+    st.sampled_from(["", "xid", 5]),
+)
 # Details of the right shape for some kind, often: so that much of it is accepted, judged
 # and read by gather and decide, not only refused at the boundary.
 plausible = st.dictionaries(
@@ -98,7 +103,7 @@ batches = st.fixed_dictionaries(
     {
         "run": st.sampled_from([ROOTS, ROOTS, BOB]),
         "node": st.sampled_from(NODES),
-        "events": st.lists(events, min_size=1, max_size=4),
+        "events": st.lists(events, min_size=1, max_size=3),
         "deep": st.integers(0, 40),  # nesting added to the first event's details
         "garble": st.booleans(),  # a byte that is not UTF-8, inside a string
     }
