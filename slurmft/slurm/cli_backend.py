@@ -19,6 +19,8 @@ from slurmft.slurm.api import (
     SlurmError,
     SlurmJobNotFound,
     SlurmPermissionDenied,
+    SlurmTimeout,
+    SlurmUnreachable,
     SubmitRequest,
 )
 from slurmft.slurm.failures import classify_failure
@@ -57,6 +59,11 @@ class CliSlurmClient:
         return self._version
 
     def jobs(self, job_ids: Sequence[str]) -> dict[str, JobInfo]:
+        """The jobs Slurm knows among ``job_ids``, in one squeue call. Slurm 22.05 prints a
+        job's name and comment as they are, newlines included, so a user's text can hold what
+        reads as a row of another job. Then (the output has a job twice, or a line no row could
+        be) each job is read alone from its scontrol record, and a row is only ever taken for
+        a job that was asked about: one user's text never stops or steers the read of others."""
         if not job_ids:
             return {}
         try:
@@ -64,7 +71,26 @@ class CliSlurmClient:
         except SlurmJobNotFound:
             # squeue -j with a single unknown id exits 1; with several it prints what it knows.
             return {}
-        return parse.parse_squeue(result.stdout)
+        try:
+            found = parse.parse_squeue(result.stdout)
+        except SlurmError as error:
+            log.warning("squeue's rows cannot be told apart (%s): each job read alone", error)
+            return self._each_alone(job_ids)
+        asked = set(job_ids)
+        return {job_id: job for job_id, job in found.items() if job_id in asked}
+
+    def _each_alone(self, job_ids: Sequence[str]) -> dict[str, JobInfo]:
+        """Each job from its own scontrol record; one Slurm cannot give (gone, or a record
+        that cannot be read) is left out, for the caller to ask about again and record."""
+        jobs: dict[str, JobInfo] = {}
+        for job_id in job_ids:
+            try:
+                jobs[job_id] = self.job(job_id)
+            except (SlurmUnreachable, SlurmTimeout):
+                raise
+            except SlurmError:
+                continue
+        return jobs
 
     def jobs_of_user(self, uid: int) -> dict[str, JobInfo]:
         return parse.parse_squeue(self._run(commands.squeue_user_argv(uid)).stdout)

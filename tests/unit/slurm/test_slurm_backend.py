@@ -196,3 +196,52 @@ def test_a_shrunk_jobs_step_still_names_the_node_it_lost(replay: Replay) -> None
     assert len(held) == 2 and held < had and len(had) == 3  # one node lost, its step runs on
     assert client.step_nodes("999999") == frozenset()  # Slurm knows no such job: no steps
     assert runner.exhausted
+
+
+class _ForgedSqueue:
+    """The recorded cluster, where the completed job's name holds a row of its own for the
+    running job (Slurm 22.05 prints a name's newline as it is): squeue's answer is the recorded
+    one with that name; scontrol's are the recordings."""
+
+    FORGED = "done\n1|COMPLETED|None|n9|n9|slurmft-run:run-0001|x"
+
+    def __init__(self) -> None:
+        squeue = load_recording("squeue_many")
+        names = ("show_job_running", "show_job_pending_held", "show_job_completed")
+        self.answers = {r.argv: r for r in map(load_recording, (*names, "show_job_unknown"))}
+        self.answers[squeue.argv] = CommandResult(
+            squeue.argv, 0, squeue.stdout.replace("|done\n", f"|{self.FORGED}\n"), ""
+        )
+        self.calls: list[str] = []
+
+    def run(self, argv: object, timeout: float, *, stdin: str | None = None) -> CommandResult:
+        key = tuple(argv)  # type: ignore[call-overload]
+        self.calls.append(key[0])
+        return self.answers[key]
+
+
+def test_a_row_forged_in_a_jobs_name_is_never_taken_each_job_is_read_alone() -> None:
+    runner = _ForgedSqueue()
+    client = CliSlurmClient(runner)
+
+    jobs = client.jobs(jobs_asked(load_recording("squeue_many")))
+
+    assert runner.calls == ["squeue", "scontrol", "scontrol", "scontrol", "scontrol"]
+    assert {job_id: (job.state, job.nodes) for job_id, job in jobs.items()} == {
+        "1": (JobState.RUNNING, ("n1", "n2", "n3")),
+        "2": (JobState.PENDING, ()),
+        "3": (JobState.COMPLETED, ("n1",)),
+    }
+    assert jobs["3"].name == "done"
+
+
+def test_a_row_for_a_job_not_asked_about_is_left_out() -> None:
+    runner = _ForgedSqueue()
+    squeue = load_recording("squeue_many")
+    forged = squeue.stdout.replace("|done\n", "|done\n7|COMPLETED|None|n9|n9||x\n")
+    runner.answers[squeue.argv] = CommandResult(squeue.argv, 0, forged, "")
+
+    jobs = CliSlurmClient(runner).jobs(jobs_asked(squeue))
+
+    assert runner.calls == ["squeue"]
+    assert sorted(jobs) == ["1", "2", "3"]
