@@ -147,6 +147,7 @@ def firing_conditions(scrape: str) -> dict[str, tuple[dict[str, str], dict[str, 
             one("slurmft_runs", f"0x{SAMPLES - 11} 1x10", state="stopped"),
             {**warning, "state": "stopped"},
         ),
+        "SlurmftRunHeld": (one("slurmft_runs_held", _constant(1)), warning),
         "SlurmftDrainNotDone": (
             one("slurmft_drains_total", _rising(0, 1), status="skipped"),
             {**warning, "status": "skipped"},
