@@ -31,7 +31,7 @@ import msgspec
 
 from slurmft.core.kinds import EventKind, FaultClass, NodeRole
 from slurmft.errors import SlurmftError
-from slurmft.evidence import details_problem
+from slurmft.event_schemas import details_problem
 
 PROTOCOL_VERSION = 1
 BATCH_PATH = "/v1/agent/batch"

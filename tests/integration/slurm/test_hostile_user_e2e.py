@@ -62,6 +62,12 @@ class Ingest:
         self.seq = 0
 
     def post(self, token: str, body: bytes, headers: dict[str, str] | None = None) -> int:
+        return self.answer(token, body, headers)[0]
+
+    def answer(
+        self, token: str, body: bytes, headers: dict[str, str] | None = None
+    ) -> tuple[int, bytes]:
+        """The status and the body of the daemon's answer."""
         conn = http.client.HTTPConnection(self.host, self.port, timeout=30)
         try:
             conn.request(
@@ -75,8 +81,7 @@ class Ingest:
                 },
             )
             response = conn.getresponse()
-            response.read()
-            return response.status
+            return response.status, response.read()
         finally:
             conn.close()
 
@@ -84,6 +89,11 @@ class Ingest:
         self, token: str, run_id: str, node: str, raw: dict[str, str] | None = None, **fields: Any
     ) -> int:
         """A batch of ``fields``; ``raw`` replaces JSON text in the body as it is written."""
+        return self.batch_answer(token, run_id, node, raw, **fields)[0]
+
+    def batch_answer(
+        self, token: str, run_id: str, node: str, raw: dict[str, str] | None = None, **fields: Any
+    ) -> tuple[int, bytes]:
         self.seq += 1
         now = time.time()
         body = {
@@ -98,7 +108,7 @@ class Ingest:
         text = json.dumps(body)
         for placeholder, replacement in (raw or {}).items():
             text = text.replace(placeholder, replacement)
-        return self.post(token, text.encode())
+        return self.answer(token, text.encode())
 
 
 def _fault(xid: int, now: float, action: str = "drain") -> dict[str, Any]:
