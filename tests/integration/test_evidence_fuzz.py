@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,10 +28,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from sqlalchemy import func, select
-from support.daemon_side import post_batch
-from support.slurm_recordings import RecordedCluster, recorded_jobs
+from support.daemon_side import daemon_config, post_batch
+from support.slurm_recordings import RecordedJobs, recorded_jobs
 
-from slurmft.config import load_config
 from slurmft.controller.daemon import Daemon
 from slurmft.controller.http import IngestServer
 from slurmft.controller.ingest import new_run_token
@@ -39,8 +38,6 @@ from slurmft.core.kinds import EventKind, NodeRole
 from slurmft.db import Database
 from slurmft.db.models import AllocationNode, Attempt, Event, Run
 from slurmft.db.states import RunState
-from slurmft.slurm.api import JobInfo
-from slurmft.slurm.cli_backend import CliSlurmClient
 
 EXAMPLES = int(os.environ.get("SLURMFT_EVIDENCE_EXAMPLES", "2000"))  # fewer only while developing
 PASS_EVERY = 100
@@ -110,18 +107,6 @@ batches = st.fixed_dictionaries(
 )
 
 
-class RecordedSlurm(CliSlurmClient):
-    """The recorded cluster, each tracked job read alone (no squeue of these ids was
-    recorded)."""
-
-    def __init__(self) -> None:
-        names = ["show_job_running", "show_job_completed", "sinfo_nodes_drained"]
-        super().__init__(RecordedCluster(names))
-
-    def jobs(self, job_ids: Sequence[str]) -> dict[str, JobInfo]:
-        return {job_id: self.job(job_id) for job_id in job_ids}
-
-
 @pytest.fixture
 def setting(
     database: Database, seed_run: Callable[..., None], tmp_path: Path
@@ -138,16 +123,8 @@ def setting(
         for node in ("n1", "n2", "n3"):
             role = NodeRole.SPARE if node == "n3" else NodeRole.ACTIVE
             attempt.nodes.append(AllocationNode(node=node, role=role, joined_at=joined))
-    config = load_config(
-        environ={},
-        system_file=tmp_path / "absent.toml",
-        overrides=[
-            f"paths.state_dir={tmp_path / 'state'}",
-            f"paths.runtime_dir={tmp_path / 'run'}",
-            "daemon.observe_only=true",
-        ],
-    )
-    return Daemon(config, database=database, slurm=RecordedSlurm()), tokens
+    config = daemon_config(tmp_path, "daemon.observe_only=true")
+    return Daemon(config, database=database, slurm=RecordedJobs()), tokens
 
 
 def _body(drawn: dict[str, Any], seq: int) -> bytes:

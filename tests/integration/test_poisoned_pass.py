@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -19,10 +19,9 @@ from typing import Any
 import pytest
 from prometheus_client.registry import CollectorRegistry
 from sqlalchemy import select
-from support.daemon_side import post_batch
-from support.slurm_recordings import RecordedCluster, recorded_jobs
+from support.daemon_side import daemon_config, post_batch
+from support.slurm_recordings import RecordedJobs, recorded_jobs
 
-from slurmft.config import load_config
 from slurmft.controller import allocation, pass_health, run_status
 from slurmft.controller.admins import ROOT_ONLY
 from slurmft.controller.daemon import Daemon
@@ -36,28 +35,11 @@ from slurmft.db import Database
 from slurmft.db.models import Action, ActionKind, Event, EventKind, Run, utcnow
 from slurmft.db.records import record_event
 from slurmft.db.states import RunState
-from slurmft.slurm.api import JobInfo
-from slurmft.slurm.cli_backend import CliSlurmClient
 
 BOB, ALICE, ROOTS = "rbob", "ralice", "run-0001"
 RUNNING, _, DONE = recorded_jobs()
 # The event bob posted on the parent commit: `nodes` an int where a list of members goes.
 POISON = {"job_id": "1", "nodes": 5}
-
-
-class RecordedSlurm(CliSlurmClient):
-    """The recorded cluster, each job read alone (scontrol); a cancel is kept, not sent."""
-
-    def __init__(self) -> None:
-        names = ["show_job_running", "show_job_completed", "sinfo_nodes_drained"]
-        super().__init__(RecordedCluster(names))
-        self.cancelled: list[str] = []
-
-    def jobs(self, job_ids: Sequence[str]) -> dict[str, JobInfo]:
-        return {job_id: self.job(job_id) for job_id in job_ids}
-
-    def cancel(self, job_id: str) -> None:
-        self.cancelled.append(job_id)
 
 
 @pytest.fixture
@@ -70,15 +52,8 @@ def bob_token(database: Database, seed_run: Callable[..., None]) -> str:
 
 @pytest.fixture
 def daemon(tmp_path: Path, database: Database) -> Iterator[Daemon]:
-    config = load_config(
-        environ={},
-        system_file=tmp_path / "absent.toml",
-        overrides=[
-            f"paths.state_dir={tmp_path / 'state'}",
-            f"paths.runtime_dir={tmp_path / 'run'}",
-        ],
-    )
-    yield Daemon(config, database=database, slurm=RecordedSlurm())
+    config = daemon_config(tmp_path)
+    yield Daemon(config, database=database, slurm=RecordedJobs())
 
 
 def _post_event(server: IngestServer, token: str, event: dict[str, Any]) -> tuple[int, Any]:

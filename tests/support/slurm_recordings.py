@@ -13,6 +13,8 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
+from slurmft.slurm.api import JobInfo
+from slurmft.slurm.cli_backend import CliSlurmClient
 from slurmft.slurm.runner import CommandResult
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "slurm"
@@ -86,3 +88,20 @@ def recorded_jobs() -> tuple[str, str, str]:
     numbers them anew."""
     running, held, done, _unknown = jobs_asked(load_recording("squeue_many"))
     return running, held, done
+
+
+class RecordedJobs(CliSlurmClient):
+    """The recorded running and completed jobs and the drained partition, each job read alone
+    (no squeue of several tracked ids is recorded); a cancel is kept in ``cancelled``, not
+    sent."""
+
+    def __init__(self) -> None:
+        names = ["show_job_running", "show_job_completed", "sinfo_nodes_drained"]
+        super().__init__(RecordedCluster(names))
+        self.cancelled: list[str] = []
+
+    def jobs(self, job_ids: Sequence[str]) -> dict[str, JobInfo]:
+        return {job_id: self.job(job_id) for job_id in job_ids}
+
+    def cancel(self, job_id: str) -> None:
+        self.cancelled.append(job_id)
