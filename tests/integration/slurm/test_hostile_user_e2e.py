@@ -1,15 +1,23 @@
-"""One user against another on the real daemon and the local cluster (issue 14, done-when).
+"""One user against another on the real daemon and the local cluster (issue 14, done-when; and
+issue 46's attacks: the poisoned allocation event, the hostile job name, the injected loss).
 
 slurmft-alice trains a real run under a root daemon. slurmft-bob, with a run of his own that
 waits in Slurm, tries one attack after another on her run through everything he can reach:
-the CLI socket (cancel, attach her job, read her run) and the agents' endpoint with his run's
+the CLI socket (cancel, attach her job, read her run), the agents' endpoint with his run's
 token (an allocation claiming her job, GPU faults, hangs and stragglers naming her nodes, her
-run's id, impossible values, a flood of events, idle connections held open).
+run's id, impossible values, a flood of events, idle connections held open, an `allocation`
+event, a kind only the daemon records, whose details once crashed every control pass for good)
+and his own waiting job's name and comment in Slurm (scontrol's `Key=value` text naming her node
+as COMPLETED, then a newline and a forged squeue row of her job), which the daemon reads every
+pass with her job.
 
-Alice's run must not notice: no action on it but those her own job caused, her job never
-requeued (Restarts=0) and its excluded nodes unchanged, none of her nodes drained or
-denylisted, the control pass going on for her run to its completion. Bob drains and denylists
-nothing, anywhere.
+Alice's run must not notice: her `slurmft status` moves on pass after pass, every pass completes
+(no control error, no run held), the daemon reads her job as running and bob's as waiting. While
+all of it is in Slurm and the store, one of her nodes is lost for real: its loss is recorded and
+the node taken out of her run, a spare trains in its place, and the run completes. No action on
+her run but that loss's and her job's own end, her job never requeued (Restarts=0) and its
+excluded nodes unchanged, none of her nodes drained, only the lost one denylisted (for her run).
+Bob drains and denylists nothing, anywhere.
 """
 
 from __future__ import annotations
@@ -17,39 +25,48 @@ from __future__ import annotations
 import contextlib
 import http.client
 import json
+import re
 import socket
 import time
+import urllib.request
 from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 import pytest
-from daemon_process import DaemonProcess, run_slurmft, running_daemon
+from daemon_process import DaemonProcess, free_port, run_slurmft, running_daemon, slurmft
 from e2e_run import EXAMPLE, SubmittedRun, submit
 from local_cluster import Cluster
 from sqlalchemy import select
 from support.waiting import wait_for_value
 from unix_users import TestUsers, UnixUser
 
-from slurmft.db.models import Action, ActionKind, Event, EventKind
+from slurmft.db.models import Action, ActionKind, ActionStatus, Attempt, Event, EventKind, Run
 from slurmft.db.records import denied_nodes
-from slurmft.db.states import RunState
+from slurmft.db.states import AttemptState, RunState
 from slurmft.protocol import BATCH_PATH
 from slurmft.slurm.api import JobState
 
 pytestmark = [pytest.mark.slurm, pytest.mark.torch, pytest.mark.users]
 
-# What only a job's own end may do to a run; anything else on alice's run came from bob.
+# What only a job's own end may do to a run; anything else on alice's run but the injected
+# loss's own action (the lost node taken out of it) came from bob.
 HER_OWN = {ActionKind.FINISH_RUN}
 ON_NODES = {ActionKind.DRAIN_NODE, ActionKind.AGENT_LEAVE, ActionKind.EVICT_NODE}
+# Alice's run trains long enough to see the attacks, the loss and the spare's takeover.
+STEPS = 240
 
 
 @pytest.fixture
 def root_daemon(tmp_path: Path, open_dir: Path) -> Iterator[DaemonProcess]:
     with ExitStack() as stack:
         yield stack.enter_context(
-            running_daemon(tmp_path, SLURMFT_PATHS_RUNTIME_DIR=str(open_dir / "run"))
+            running_daemon(
+                tmp_path,
+                SLURMFT_PATHS_RUNTIME_DIR=str(open_dir / "run"),
+                SLURMFT_DAEMON_METRICS_LISTEN=f"127.0.0.1:{free_port()}",  # passes counted
+            )
         )
 
 
@@ -120,7 +137,9 @@ def _token(run_home: Path) -> str:
     return (run_home / "ckpt" / ".slurmft" / "token").read_text().strip()
 
 
-def _bobs_waiting_run(cluster: Cluster, daemon: DaemonProcess, home: Path, bob: UnixUser) -> str:
+def _bobs_waiting_run(
+    cluster: Cluster, daemon: DaemonProcess, home: Path, bob: UnixUser
+) -> tuple[str, str]:
     """A run of bob's whose job waits: it wants every node to itself while alice's job holds
     some (`--exclusive`: sbatch's input variables such as SBATCH_EXCLUSIVE no longer reach it,
     as a resubmission could not repeat them)."""
@@ -138,7 +157,7 @@ def _bobs_waiting_run(cluster: Cluster, daemon: DaemonProcess, home: Path, bob: 
     assert done.returncode == 0, done.stderr
     submitted = json.loads(done.stdout)
     cluster._jobs.append(submitted["job_id"])
-    return str(submitted["run_id"])
+    return str(submitted["run_id"]), str(submitted["job_id"])
 
 
 def _attack_through_the_socket(
@@ -214,6 +233,74 @@ def _attack_through_ingest(
     return answers
 
 
+def _poisoned_allocation(
+    ingest: Ingest, token: str, bobs: str, alice_run: SubmittedRun, node: str
+) -> None:
+    """An `allocation` event, a kind only the daemon records, with details of the wrong shape
+    (once stored, every control pass crashed on them, for every user): refused, naming it."""
+    for job_id in ("1", alice_run.job_id):
+        event = {"kind": "allocation", "occurred_at": time.time(),
+                 "details": {"job_id": job_id, "nodes": 5}}  # fmt: skip
+        status, body = ingest.batch_answer(token, bobs, node, events=[event])
+        assert status == 422, (status, body)
+        (refused,) = json.loads(body)["refused"]
+        assert (refused["items"], refused["index"]) == ("events", 0), refused
+        assert "'allocation' is recorded by the daemon only" in refused["reason"], refused
+
+
+def _rename(bob: UnixUser, env: dict[str, str], job_id: str, **fields: str) -> None:
+    """Bob's update of his own job: Slurm lets a user set its name and comment to any text."""
+    argv = ["scontrol", "update", f"JobId={job_id}", *(f"{k}={v}" for k, v in fields.items())]
+    done = bob.run(argv, env)
+    assert done.returncode == 0, done.stderr
+
+
+class Passes:
+    """The daemon's control passes, counted by outcome on its /metrics."""
+
+    def __init__(self, daemon: DaemonProcess) -> None:
+        self.url = f"http://{daemon.env['SLURMFT_DAEMON_METRICS_LISTEN']}/metrics"
+
+    def count(self, outcome: str) -> int:
+        with urllib.request.urlopen(self.url, timeout=10) as reply:
+            text = reply.read().decode()
+        line = rf'^slurmft_control_passes_total{{outcome="{outcome}"}} (\S+)$'
+        match = re.search(line, text, re.MULTILINE)
+        return int(float(match.group(1))) if match else 0
+
+
+def _read(run: SubmittedRun, run_id: str) -> tuple[RunState, Any, str | None, int]:
+    """How the daemon reads a run's job (its latest attempt's state and nodes), and the run's
+    failed passes in a row."""
+    with run.database.session() as s:
+        row = s.get(Run, run_id)
+        assert row is not None
+        attempt = s.scalars(
+            select(Attempt).where(Attempt.run_id == run_id).order_by(Attempt.number.desc())
+        ).first()
+        assert attempt is not None
+        return row.state, attempt.state, attempt.nodelist, row.control_failures
+
+
+def _status_every_pass(
+    daemon: DaemonProcess, alice: UnixUser, run: SubmittedRun, passes: Passes, count: int
+) -> list[tuple[int, dict[str, Any]]]:
+    """Alice's `slurmft status` after each of ``count`` completed control passes: (the passes
+    completed so far, what she sees)."""
+    seen = []
+    done = passes.count("completed")
+    for _ in range(count):
+        done, _ = wait_for_value(
+            "a control pass to complete",
+            lambda: passes.count("completed"),
+            lambda n, after=done: n > after,
+            timeout_s=30,
+        )
+        status = slurmft(daemon.client_env(), "status", run.run_id, "--json", as_user=alice)
+        seen.append((done, json.loads(status)))
+    return seen
+
+
 @contextlib.contextmanager
 def _idle_connections(ingest: Ingest, count: int) -> Iterator[None]:
     held = []
@@ -237,19 +324,25 @@ def test_bobs_attacks_on_alices_run_change_nothing_for_her(
 ) -> None:
     alice, bob = test_users.alice, test_users.bob
     daemon = root_daemon
-    steps = 60
+    steps = STEPS
     script = [*EXAMPLE, "--steps", str(steps)]  # the last --steps counts
     run = submit(
         cluster, daemon, alice.own(open_dir / "alice"), script, name="alice", as_user=alice
-    )
+    )  # 3 nodes and a spare
     run.wait_training(past_step=5)
     job = cluster.client.job(run.job_id)
     her_nodes = sorted(job.nodes)
     for node in her_nodes:
         cluster.resume_after(node)  # should bob get one drained, the next test still has it
     excluded_before = job.raw.get("ExcNodeList")
+    # The node lost during the attacks: one that trains, not the batch host (whose loss ends the
+    # job's step for all); bob's text names another of hers.
+    victim = sorted(set(run.beating_nodes().values()) - {job.batch_host})[0]
+    named = job.batch_host
+    assert named is not None and named != victim
     bob_home = bob.own(open_dir / "bob")
-    bobs = _bobs_waiting_run(cluster, daemon, bob_home, bob)
+    bobs, bobs_job = _bobs_waiting_run(cluster, daemon, bob_home, bob)
+    passes = Passes(daemon)
     try:
         _attack_through_the_socket(daemon, bob, run, bobs)
         ingest = Ingest(daemon)
@@ -266,6 +359,58 @@ def test_bobs_attacks_on_alices_run_change_nothing_for_her(
                 lambda step: step >= min(step_before + 3, steps),
                 timeout_s=120,
             )
+        _poisoned_allocation(ingest, _token(bob_home), bobs, run, her_nodes[0])
+
+        # Bob's job, read by the daemon every pass with hers (squeue, scontrol where needed),
+        # named and commented with scontrol's text (the comment still tags his run), then with a
+        # squeue row of her job, COMPLETED on one node.
+        her_read, bobs_read = _read(run, run.run_id), _read(run, bobs)
+        assert her_read[:2] == (RunState.RUNNING, AttemptState.RUNNING), her_read
+        assert bobs_read[1] is AttemptState.SUBMITTED and not bobs_read[2], bobs_read
+        key_values = f"x JobState=COMPLETED NodeList={named} Restarts=x"
+        _rename(bob, daemon.client_env(), bobs_job, JobName=key_values,
+                Comment=f"slurmft-run:{bobs} {key_values}")  # fmt: skip
+        seen = _status_every_pass(daemon, alice, run, passes, 4)
+        row = f"{run.job_id}|COMPLETED|None|{named}|{named}|slurmft-run:{run.run_id}|z"
+        _rename(bob, daemon.client_env(), bobs_job, JobName=f"y\n{row}")
+        record = cluster.client.job(bobs_job)
+        assert (record.name, record.state) == (f"y\n{row}", JobState.PENDING), record
+        for _ in range(2):
+            seen += _status_every_pass(daemon, alice, run, passes, 2)
+            assert _read(run, run.run_id) == her_read  # running, on her four nodes
+            assert _read(run, bobs) == bobs_read  # waiting
+        # Her job twice in squeue's output: both jobs were read alone, from scontrol's records
+        # (bob's over two lines, his comment's Key= text in it).
+        assert "squeue's rows cannot be told apart" in daemon.log.read_text()
+        # Her status moves on, pass after pass, each pass completed and none of hers failed.
+        print(f"\nalice's step after passes {[(n, st['step']) for n, st in seen]}")
+        steps_seen = [status["step"] for _, status in seen]
+        assert steps_seen == sorted(steps_seen) and steps_seen[-1] > steps_seen[0], seen
+        for _, status in seen:
+            assert (status["state"], status["control_failures"], status["held"]) == (
+                "running", 0, False,
+            ), status  # fmt: skip
+        assert passes.count("error") == 0
+
+        # A real loss of one of her nodes, while all of it is in Slurm and the store.
+        assert run.latest_step() < steps - 20, "the loss must land while she trains"
+        cluster.kill_node(victim)  # revived by the fixture
+        wait_for_value(
+            f"the daemon to record the loss of {victim}",
+            lambda: {e.node for e in run.events(Event.kind == EventKind.NODE_LOST)},
+            lambda nodes: victim in nodes,
+            timeout_s=90,
+        )
+        wait_for_value(
+            f"{victim} taken out of her run",
+            lambda: run.actions(Action.kind == ActionKind.AGENT_LEAVE),
+            lambda leaves: any(a.status is ActionStatus.DONE for a in leaves),
+            timeout_s=60,
+        )
+        run.wait_replaced(victim)
+        seen = _status_every_pass(daemon, alice, run, passes, 3)
+        assert all(status["control_failures"] == 0 for _, status in seen), seen
+        assert _read(run, bobs) == bobs_read
     finally:
         # Bob ends his own run before alice's job frees the nodes his waits for: his job must
         # never start (it would hold her nodes, and the test would be about something else).
@@ -279,20 +424,30 @@ def test_bobs_attacks_on_alices_run_change_nothing_for_her(
     )
 
     ours = _actions(run, run.run_id)
-    assert {kind for kind, _, _ in ours} <= HER_OWN, ours
+    # Her job's end, and her lost node taken out of her run: nothing else.
+    assert {(kind, node) for kind, node, _ in ours if kind not in HER_OWN} == {
+        (ActionKind.AGENT_LEAVE, victim)
+    }, ours
     record = cluster.client.job(run.job_id)
-    assert record.raw.get("Restarts") == "0", record.raw
+    assert record.raw.get("Restarts") == "0", record.raw  # the spare, not a requeue
     assert record.raw.get("ExcNodeList") == excluded_before
+    assert passes.count("error") == 0
     with run.database.session() as s:
-        assert denied_nodes(s) == set()  # nothing kept out, for anyone
-        assert denied_nodes(s, run_id=run.run_id) == set()
+        assert denied_nodes(s) == set()  # nothing kept out for everyone
+        assert denied_nodes(s, run_id=run.run_id) == {victim}  # the loss's: for her run only
         assert denied_nodes(s, run_id=bobs) == set()
         on_nodes = s.scalars(select(Action).where(Action.kind.in_(ON_NODES))).all()
-        assert on_nodes == [], [(a.kind, a.node, a.reason) for a in on_nodes]
-        errors = s.scalars(
-            select(Event).where(Event.kind == EventKind.CONTROL_ERROR, Event.run_id == run.run_id)
-        ).all()
-        assert errors == []
+        assert {(a.kind, a.node, a.run_id) for a in on_nodes} == {
+            (ActionKind.AGENT_LEAVE, victim, run.run_id)
+        }, [(a.kind, a.node, a.reason) for a in on_nodes]
+        lost = s.scalars(select(Event).where(Event.kind == EventKind.NODE_LOST)).all()
+        assert {(e.run_id, e.node) for e in lost} == {(run.run_id, victim)}
+        errors = s.scalars(select(Event).where(Event.kind == EventKind.CONTROL_ERROR)).all()
+        assert errors == [], [(e.run_id, e.message) for e in errors]
+        for run_id in (run.run_id, bobs):
+            row = s.get(Run, run_id)
+            assert row is not None and row.control_failures == 0, row
+        assert not s.scalars(select(Action).where(Action.kind == ActionKind.HOLD_RUN)).all()
         # Bob's evidence is kept (it is his run's history) and judged foreign: he had no node.
         judged = s.scalars(
             select(Event.foreign).where(Event.run_id == bobs, Event.kind == EventKind.GPU_FAULT)
