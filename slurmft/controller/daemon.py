@@ -242,7 +242,7 @@ class Daemon:
         for outcome in outcomes:
             if outcome.internal and outcome.action.run_id is not None:
                 failures.add(outcome.action.run_id, "acting", outcome.error or "")
-        tried = [run.run_id for run in view.runs if not run.held]
+        tried = {run.run_id for run in view.runs if not run.held}
         with self.database.session() as session:
             settle_pass(session, failures, tried)
 

@@ -15,7 +15,7 @@ cause is mended; the next pass tries the run again from a count of zero.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from sqlalchemy import func, select
@@ -68,19 +68,19 @@ def count_held(session: Session) -> int:
     return session.scalar(held.where(Run.control_failures >= HOLD_AFTER, Run.state.in_(_LIVE))) or 0
 
 
-def settle(session: Session, failures: PassFailures, tried: Iterable[str]) -> list[str]:
+def settle(session: Session, failures: PassFailures, tried: Collection[str]) -> list[str]:
     """After a pass: each run in ``tried`` (its part was attempted) counts one more failure in
     a row, or starts again from zero; a run that reaches HOLD_AFTER is held, with an action row
     saying why. Returns the runs held by this pass."""
     held: list[str] = []
-    for run_id in sorted(set(tried) | set(failures.errors)):
+    # The runs counting failures now: few, usually none; one query however many runs there are.
+    counting = select(Run).where(Run.control_failures > 0, Run.control_failures < HOLD_AFTER)
+    for counted in session.scalars(counting).all():
+        if counted.id in tried and counted.id not in failures.errors:
+            counted.control_failures, counted.control_error = 0, None
+    for run_id, error in sorted(failures.errors.items()):
         run = session.get(Run, run_id)
         if run is None or is_held(run):
-            continue
-        error = failures.errors.get(run_id)
-        if error is None:
-            if run.control_failures:
-                run.control_failures, run.control_error = 0, None
             continue
         run.control_failures += 1
         run.control_error = error
