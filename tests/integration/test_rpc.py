@@ -352,3 +352,22 @@ def test_a_report_is_of_a_run_the_caller_may_see(socket_path: Path) -> None:
     assert "has no step times" in own["error"]  # hers: past the visibility check
     bad = _call_as(ALICE, socket_path, "report", run_id="ra", max_columns=10**9)
     assert "max_columns" in bad["error"]
+
+
+def test_only_an_admin_releases_a_held_run_over_the_socket(
+    socket_path: Path, database: Database
+) -> None:
+    with database.session() as s:
+        run = s.get(Run, "ra")
+        assert run is not None
+        run.control_failures, run.control_error = 3, "deciding: KeyError: 'x'"
+    assert _call_as(ALICE, socket_path, "status", run_id="ra")["result"]["held"] is True
+    refused = _call_as(ALICE, socket_path, "release_run", run_id="ra")
+    assert refused["error"] == "only an admin (root, or daemon.admin_group) may release a held run"
+    released = _call_as(0, socket_path, "release_run", run_id="ra")["result"]
+    assert released == {
+        "run_id": "ra", "released": True, "failures": 3, "error": "deciding: KeyError: 'x'"
+    }  # fmt: skip
+    status = _call_as(ALICE, socket_path, "status", run_id="ra")["result"]
+    assert (status["held"], status["control_failures"], status["control_error"]) == (False, 0, None)
+    assert _call_as(0, socket_path, "release_run", run_id="ra")["result"]["released"] is False
