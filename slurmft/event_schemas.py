@@ -27,11 +27,15 @@ import msgspec
 
 from slurmft.core.kinds import EventKind
 
-INT32 = 2**31
+# The wire's bounds that the schemas share with protocol (which takes them from here: protocol
+# imports this module, so these cannot live there).
+INT32 = 2**31  # steps, pids, restart counts, Xids, GPU indices: in (-INT32, INT32)
+MAX_NODE = 128
+MAX_MESSAGE = 65_536
 # A bounded text and a bounded whole number: every field the daemon reads is one of these.
 Label = Annotated[str, msgspec.Meta(max_length=4096)]
 Word = Annotated[str, msgspec.Meta(max_length=64)]
-Text = Annotated[str, msgspec.Meta(max_length=65_536)]
+Text = Annotated[str, msgspec.Meta(max_length=MAX_MESSAGE)]
 Int32 = Annotated[int, msgspec.Meta(gt=-INT32, lt=INT32)]
 Index32 = Annotated[int, msgspec.Meta(ge=0, lt=INT32)]
 # msgspec reads an integer as int64: one outside it fails as out of range.
@@ -127,7 +131,7 @@ class NumericalDetails(RoundDetails, frozen=True, forbid_unknown_fields=False):
 
 
 class PeerDeadDetails(Details, frozen=True, forbid_unknown_fields=False):
-    peer: Annotated[str, msgspec.Meta(max_length=128)] | None = None
+    peer: Annotated[str, msgspec.Meta(max_length=MAX_NODE)] | None = None
     silent_s: Seconds | None = None
 
 

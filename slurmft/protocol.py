@@ -31,7 +31,7 @@ import msgspec
 
 from slurmft.core.kinds import EventKind, FaultClass, NodeRole
 from slurmft.errors import SlurmftError
-from slurmft.event_schemas import details_problem
+from slurmft.event_schemas import INT32, MAX_MESSAGE, MAX_NODE, details_problem
 
 PROTOCOL_VERSION = 1
 BATCH_PATH = "/v1/agent/batch"
@@ -47,16 +47,14 @@ MAX_BODY_BYTES = 8 * 1024 * 1024
 # would all read as resends.
 MAX_SEQ = 2**62  # exclusive
 MAX_WORLD_SIZE = 2**20  # ranks are in [0, MAX_WORLD_SIZE)
-INT32 = 2**31  # steps, pids, restart counts, Xids, GPU indices: in (-INT32, INT32)
+# INT32, MAX_NODE and MAX_MESSAGE (slurmft.event_schemas, imported above) bound the rest.
 EARLIEST_TIME = 1_577_836_800.0  # 2020-01-01: a time before it is a broken clock, not a report
 LATEST_TIME = 4_102_444_800.0  # 2100-01-01; the daemon also refuses times MAX_AHEAD_S ahead
 MAX_AHEAD_S = 86_400.0
 MAX_RUN_ID = 32  # characters, as the store's columns
 MAX_AGENT_ID = 64
-MAX_NODE = 128
 MAX_PHASE = 32
 MAX_PEER_GROUP = 64
-MAX_MESSAGE = 65_536
 MAX_DETAILS_DEPTH = 16
 MAX_DETAILS_SIZE = 1024 * 1024  # characters of strings, plus 8 per value
 ITEM_LISTS = ("heartbeats", "step_times", "events")

@@ -28,7 +28,6 @@ so evidence that comes with its allocation is acted on in the same pass.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -45,8 +44,6 @@ from slurmft.db.states import AttemptState
 from slurmft.protocol import AllocationMember, JobId
 from slurmft.slurm.api import JobInfo, SlurmClient, SlurmError, SlurmTimeout, SlurmUnreachable
 from slurmft.slurm.script import not_the_runs_job
-
-log = logging.getLogger(__name__)
 
 REFUSED = "allocation report refused"
 # How far the daemon's clock may be behind slurmctld's when it compares an event's arrival with
@@ -128,7 +125,6 @@ def judge_allocation_reports(
         except Exception as exc:
             if run is None:
                 raise  # a report without a run is refused before anything can fail
-            log.exception("run %s: judging report %d failed", run.id, report.id)
             failures.record(session, run.id, f"judging allocation report {report.id}", exc)
     session.flush()
 
@@ -203,7 +199,6 @@ def judge_evidence(
         except SQLAlchemyError:
             raise  # the store's failure, not this run's: the pass is skipped for everyone
         except Exception as exc:
-            log.exception("run %s: judging its evidence failed", run_id)
             failures.record(session, run_id, "judging its evidence", exc)
     session.flush()
 

@@ -338,7 +338,6 @@ def gather(
         except Exception as exc:
             # This run's data could not be read into a view (the only write gather makes):
             # nothing is decided for it this pass, and the other runs go on.
-            log.exception("run %s: observing it failed", run.id, extra={"run_id": run.id})
             (failures or PassFailures()).record(session, run.id, "observing it", exc)
     nodes = snapshot.nodes
     return ClusterView(

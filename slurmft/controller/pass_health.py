@@ -42,10 +42,12 @@ class PassFailures:
         self.errors.setdefault(run_id, f"{stage}: {error}"[:MAX_ERROR_CHARS])
 
     def record(self, session: Session, run_id: str, stage: str, exc: BaseException) -> None:
-        """A run's part failed with ``exc``: logged, an event on the run (once per distinct
-        error), and counted for this pass."""
+        """A run's part failed with ``exc``: logged with its traceback, an event on the run
+        (once per distinct error), and counted for this pass."""
         error = f"{type(exc).__name__}: {exc}"
-        log.error("run %s: %s failed: %s", run_id, stage, error, extra={"run_id": run_id})
+        log.error(
+            "run %s: %s failed: %s", run_id, stage, error, exc_info=exc, extra={"run_id": run_id}
+        )
         record_control_error(session, run_id, stage, error)
         self.add(run_id, stage, error)
 

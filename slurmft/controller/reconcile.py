@@ -11,7 +11,6 @@ The run's restart budget is not one of them: gather reads what the run went thro
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime
@@ -24,8 +23,6 @@ from slurmft.db.models import Attempt, Run
 from slurmft.db.states import ATTEMPT_TRANSITIONS, AttemptState, RunState
 from slurmft.slurm.api import JobInfo
 from slurmft.slurm.states import JobPhase, JobState
-
-log = logging.getLogger(__name__)
 
 _ENDED: dict[JobState, AttemptState] = {
     JobState.COMPLETED: AttemptState.COMPLETED,
@@ -97,7 +94,6 @@ def reconcile(
         except SQLAlchemyError:
             raise  # the store's failure, not this run's: the pass is skipped for everyone
         except Exception as exc:
-            log.exception("run %s: reconciling with Slurm failed", run.id, extra={"run_id": run.id})
             (failures or PassFailures()).record(session, run.id, "reconciling with Slurm", exc)
     session.flush()
 
